@@ -1,0 +1,4 @@
+"""KV cache policies: one file per method behind the `CachePolicy` interface."""
+
+from .base import CachePolicy, MemoryReport, register_policy, create_policy, available_policies  # noqa: F401
+from . import full  # noqa: F401  (registers "full")

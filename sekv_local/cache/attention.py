@@ -1,0 +1,44 @@
+"""Exact grouped-query attention used by cache methods over whatever keys they hold."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def chunk_causal_mask(n_query: int, n_key: int, device: torch.device | None = None) -> torch.Tensor | None:
+    """Boolean mask [n_query, n_key] for a chunk whose queries are the last `n_query` of `n_key` keys.
+
+    True = may attend. None when every query may see every key (a single decode token).
+    """
+    if n_query == 1:
+        return None
+    offset = n_key - n_query
+    q_idx = torch.arange(n_query, device=device)[:, None]
+    k_idx = torch.arange(n_key, device=device)[None, :]
+    return k_idx <= q_idx + offset
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of q [H, T, D] over k/v [KV, S, D] with H a multiple of KV (GQA).
+
+    mask: bool [T, S] or [H, T, S] (True = attend); bias: float [KV or H, T or 1, S] added to the logits
+    (e.g. SeKV's +log|S| on summary rows). Returns [H, T, D] in q's dtype.
+    """
+    dtype = q.dtype
+    k = k.to(dtype)
+    v = v.to(dtype)
+    n_heads, n_kv = q.shape[0], k.shape[0]
+    attn_mask = None
+    if bias is not None:
+        group = n_heads // n_kv
+        if bias.shape[0] == n_kv and group > 1:
+            bias = bias.repeat_interleave(group, dim=0)
+        attn_mask = bias.to(dtype)
+        if mask is not None:
+            attn_mask = attn_mask.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        attn_mask = mask
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=attn_mask,
+                                          enable_gqa=n_heads != n_kv)[0]

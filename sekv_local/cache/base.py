@@ -1,0 +1,179 @@
+"""The interface between the torch engine's attention and a KV cache method.
+
+The engine runs the model over chunks of tokens (a prefill chunk, a question, one generated token).
+For each chunk it calls `begin_chunk`, then `attend` once per layer with that layer's *pre-RoPE*
+queries/keys/values, then `end_chunk` with the chunk's logits. Everything a method stores, and
+hence every byte it reports, lives in the policy object.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import SekvError
+from ..models.config import ModelConfig
+from ..models.rope import Rope
+
+
+def storage_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the distinct storages behind `tensors` (what is really allocated, not a formula)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class MemoryReport:
+    """DESIGN §4 accounting, from real tensor storage.
+
+    device_bytes: what stays on the accelerator across decode steps now (per layer in `device_per_layer`).
+    device_peak_bytes: the largest device tier seen so far, prefill and zoom working sets included.
+    host_bytes: what is parked in host RAM (e.g. SVD factors).
+    full_kv_bytes: f16 full-KV bytes for the same number of tokens (the baseline).
+    """
+
+    tokens: int
+    device_bytes: int
+    device_peak_bytes: int
+    host_bytes: int
+    full_kv_bytes: int
+    device_per_layer: list[int] = field(default_factory=list)
+    host_per_layer: list[int] = field(default_factory=list)
+
+    @property
+    def device_fraction(self) -> float:
+        return self.device_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
+
+    @property
+    def device_peak_fraction(self) -> float:
+        return self.device_peak_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
+
+    @property
+    def host_fraction(self) -> float:
+        return self.host_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "device_bytes": self.device_bytes,
+            "device_peak_bytes": self.device_peak_bytes,
+            "host_bytes": self.host_bytes,
+            "full_kv_bytes": self.full_kv_bytes,
+            "device_fraction": round(self.device_fraction, 5),
+            "device_peak_fraction": round(self.device_peak_fraction, 5),
+            "host_fraction": round(self.host_fraction, 5),
+            "device_per_layer": list(self.device_per_layer),
+            "host_per_layer": list(self.host_per_layer),
+        }
+
+
+class CachePolicy(ABC):
+    """One KV cache method for all layers of one model and one sequence.
+
+    Shapes: q [n_heads, T, head_dim], k/v [n_kv_heads, T, head_dim], all pre-RoPE, float32;
+    `positions` [T] int64 absolute positions of the chunk.
+    """
+
+    name: str = "base"
+    #: whether `end_chunk` needs logits for every prefill token (e.g. SeKV's surprisal)
+    needs_all_logits: bool = False
+
+    def __init__(self, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.rope = rope
+        self.device = torch.device(device)
+        self.n_tokens = 0
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._peak_device = 0
+
+    # -- the engine's calls -------------------------------------------------------------------
+    def begin_chunk(self, positions: torch.Tensor, is_prefill: bool) -> None:
+        """Called once before the layers run over a chunk of tokens at `positions` [T]."""
+        self._positions = positions
+        self._cos_sin = self.rope.cos_sin(positions)
+        self._is_prefill = is_prefill
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this chunk's k/v for `layer` as the method decides and return attention output
+        [n_heads, T, head_dim] of q over (memory + this chunk), causal within the chunk."""
+
+    def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
+        """Called after all layers; `logits` [T, vocab] or [1, vocab] (last only)."""
+        self.n_tokens += int(token_ids.shape[0])
+        self._note_peak()
+
+    def finish_prefill(self) -> None:
+        """The document (or a new user turn) has been fed; methods that compress after prefill do it here."""
+
+    # -- conversation rollback -----------------------------------------------------------------
+    @abstractmethod
+    def mark(self) -> Any:
+        """An opaque checkpoint of the current contents (e.g. right after the document)."""
+
+    @abstractmethod
+    def rollback(self, mark: Any) -> None:
+        """Forget everything added after `mark` (used to ask independent questions on one document)."""
+
+    # -- accounting ------------------------------------------------------------------------------
+    @abstractmethod
+    def device_tensors(self, layer: int) -> list[torch.Tensor]:
+        """Tensors of `layer` that live in the device tier now."""
+
+    def host_tensors(self, layer: int) -> list[torch.Tensor]:
+        """Tensors of `layer` parked in host RAM."""
+        return []
+
+    def _note_peak(self, extra: int = 0) -> None:
+        now = sum(storage_bytes(*self.device_tensors(l)) for l in range(self.config.n_layers)) + extra
+        self._peak_device = max(self._peak_device, now)
+
+    def memory(self) -> MemoryReport:
+        dev = [storage_bytes(*self.device_tensors(l)) for l in range(self.config.n_layers)]
+        host = [storage_bytes(*self.host_tensors(l)) for l in range(self.config.n_layers)]
+        return MemoryReport(
+            tokens=self.n_tokens,
+            device_bytes=sum(dev),
+            device_peak_bytes=max(self._peak_device, sum(dev)),
+            host_bytes=sum(host),
+            full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
+            device_per_layer=dev,
+            host_per_layer=host,
+        )
+
+    def observations(self) -> dict[str, Any]:
+        """Per-answer diagnostics a method wants to expose (SeKV: zoomed spans). Empty by default."""
+        return {}
+
+
+PolicyFactory = Callable[..., CachePolicy]
+_REGISTRY: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    def deco(factory: PolicyFactory) -> PolicyFactory:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def available_policies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_policy(name: str, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu",
+                  budget: float | int | None = None, **options: Any) -> CachePolicy:
+    """Build the policy registered as `name`; `budget` is a fraction of full-KV bytes or bytes."""
+    if name not in _REGISTRY:
+        raise SekvError(f"unknown cache method '{name}' (available: {', '.join(available_policies())})")
+    return _REGISTRY[name](config=config, rope=rope, device=device, budget=budget, **options)

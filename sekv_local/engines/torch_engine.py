@@ -1,0 +1,103 @@
+"""The PyTorch reference engine: dequantized GGUF weights, attention through a cache policy."""
+
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..cache import create_policy
+from ..cache.base import CachePolicy, MemoryReport
+from ..errors import SekvError
+from ..models.gguf_file import GGUFModelFile
+from ..models.rope import Rope
+from ..models.tokenizer import Tokenizer
+from ..models.transformer import Transformer
+from .base import Engine, EngineOptions
+
+_LOAD_LOCK = threading.Lock()
+
+
+@lru_cache(maxsize=2)
+def load_transformer(path: str, device: str) -> Transformer:
+    """Dequantize once per process: the bench and the TUI build many engines over one model."""
+    with _LOAD_LOCK:
+        return Transformer.from_gguf(GGUFModelFile(path), device=device).eval()
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SekvError("--device cuda was asked for, but this torch build sees no CUDA device")
+    return device
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, gguf_path: str | Path, tokenizer: Tokenizer, options: EngineOptions) -> None:
+        self.device = resolve_device(options.device)
+        self.model = load_transformer(str(gguf_path), self.device)
+        super().__init__(self.model.config, tokenizer, options)
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        self.rope = Rope(self.config)
+        self.cache: CachePolicy = self._new_policy()
+
+    def _new_policy(self) -> CachePolicy:
+        o = self.options
+        return create_policy(o.method, self.config, self.rope, device=self.device, budget=o.budget, **o.method_options)
+
+    def reset(self) -> None:
+        self.cache = self._new_policy()
+        self.n_tokens = 0
+        self._last_logits = None
+
+    @torch.inference_mode()
+    def _forward(self, tokens: list[int], prefill: bool) -> np.ndarray:
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(self.n_tokens, self.n_tokens + len(tokens), device=self.device)
+        self.cache.begin_chunk(positions, is_prefill=prefill)
+        want_all = prefill and self.cache.needs_all_logits
+        logits = self.model(ids, self.cache, logits="all" if want_all else "last")
+        self.cache.end_chunk(logits, ids)
+        return logits[-1].float().cpu().numpy()
+
+    def finish_prefill(self) -> None:
+        self.cache.finish_prefill()
+
+    def mark(self) -> Any:
+        return (self.n_tokens, self._last_logits, self.cache.mark())
+
+    def rollback(self, mark: Any) -> None:
+        self.n_tokens, self._last_logits, cache_mark = mark
+        self.cache.rollback(cache_mark)
+
+    def memory(self) -> MemoryReport:
+        return self.cache.memory()
+
+    def observations(self) -> dict[str, Any]:
+        return self.cache.observations()
+
+    @torch.inference_mode()
+    def score(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        self.reset()
+        logprobs, argmax = [], []
+        step = self.options.chunk_size
+        for i in range(0, len(tokens), step):
+            chunk = tokens[i: i + step]
+            ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            self.cache.begin_chunk(torch.arange(i, i + len(chunk), device=self.device), is_prefill=True)
+            logits = self.model(ids, self.cache, logits="all").float()
+            self.cache.end_chunk(logits, ids)
+            lp = torch.log_softmax(logits, dim=-1)
+            nxt = torch.tensor(tokens[i + 1: i + 1 + len(chunk)], dtype=torch.long, device=self.device)
+            logprobs.append(lp[: len(nxt)].gather(1, nxt[:, None])[:, 0].cpu().numpy())
+            argmax.append(lp[: len(nxt)].argmax(-1).cpu().numpy())
+        self.reset()
+        return np.concatenate(logprobs), np.concatenate(argmax)

@@ -1,0 +1,17 @@
+"""User-facing errors: the CLI prints their message (no traceback) and exits non-zero."""
+
+
+class SekvError(Exception):
+    """An error whose message is meant for the user, e.g. a bad file or an impossible budget."""
+
+
+class ModelError(SekvError):
+    """A model file or registry entry that cannot be used."""
+
+
+class DocumentError(SekvError):
+    """A document that cannot be read, or does not fit."""
+
+
+class BudgetError(SekvError):
+    """A cache budget that cannot hold what the method needs."""

@@ -1,0 +1,1 @@
+"""Model registry, GGUF loading, tokenizer and the PyTorch transformer."""

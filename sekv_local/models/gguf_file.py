@@ -1,0 +1,118 @@
+"""Reading a GGUF model file: metadata, architecture config and dequantized tensors."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ModelError
+from .config import ModelConfig
+
+# Tensor types the torch engine dequantizes (via the gguf package); others are refused up front.
+SUPPORTED_TENSOR_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
+                          "Q4_K", "Q5_K", "Q6_K"}
+
+
+class GGUFModelFile:
+    """A GGUF file opened read-only (memory-mapped by the gguf package)."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelError(f"model file not found: {self.path}")
+        with open(self.path, "rb") as fh:
+            magic = fh.read(4)
+        if magic != b"GGUF":
+            raise ModelError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path), "r")
+        except Exception as exc:  # the gguf package raises assorted errors on truncated/corrupt files
+            raise ModelError(f"cannot read GGUF file {self.path}: {exc}") from exc
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """The value of one metadata key (scalars, strings and arrays), or `default`."""
+        field = self._reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def keys(self) -> list[str]:
+        return list(self._reader.fields.keys())
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata("general.architecture", ""))
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        arch = self.architecture
+
+        def need(key: str) -> Any:
+            value = self.metadata(f"{arch}.{key}")
+            if value is None:
+                raise ModelError(f"{self.path.name}: missing metadata '{arch}.{key}'")
+            return value
+
+        n_embd = int(need("embedding_length"))
+        n_heads = int(need("attention.head_count"))
+        head_dim = int(self.metadata(f"{arch}.attention.key_length", n_embd // n_heads))
+        scaling = str(self.metadata(f"{arch}.rope.scaling.type", "none"))
+        if scaling not in ("none", "linear"):
+            raise ModelError(f"{self.path.name}: RoPE scaling '{scaling}' is not supported by the torch engine")
+        factor = float(self.metadata(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        vocab = self.metadata(f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+        return ModelConfig(
+            architecture=arch,
+            n_layers=int(need("block_count")),
+            n_embd=n_embd,
+            n_ff=int(need("feed_forward_length")),
+            n_heads=n_heads,
+            n_kv_heads=int(self.metadata(f"{arch}.attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            vocab_size=int(vocab),
+            context_length=int(need("context_length")),
+            rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+            rope_base=float(self.metadata(f"{arch}.rope.freq_base", 10000.0)),
+            rope_dim=int(self.metadata(f"{arch}.rope.dimension_count", head_dim)),
+            rope_scale=factor,
+            rope_interleaved=arch in ("llama", "mistral"),
+            name=str(self.metadata("general.name", self.path.stem)),
+        )
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Dequantized float32 tensor in PyTorch (row-major) order, e.g. a linear weight as [out, in]."""
+        from gguf.quants import dequantize
+
+        info = self._tensors.get(name)
+        if info is None:
+            raise ModelError(f"{self.path.name}: missing tensor '{name}'")
+        type_name = info.tensor_type.name
+        if type_name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelError(f"{self.path.name}: tensor '{name}' has unsupported type {type_name}")
+        try:
+            array = dequantize(info.data, info.tensor_type)
+        except Exception as exc:
+            raise ModelError(f"{self.path.name}: cannot decode tensor '{name}' ({type_name}): {exc}") from exc
+        # GGUF lists dims fastest-first; numpy/torch want slowest-first.
+        shape = tuple(int(d) for d in reversed(info.shape))
+        array = np.array(array, dtype=np.float32, copy=True).reshape(shape)  # writable, owned
+        if expected_shape is not None and tuple(array.shape) != tuple(expected_shape):
+            raise ModelError(
+                f"{self.path.name}: tensor '{name}' has shape {tuple(array.shape)}, expected {tuple(expected_shape)}"
+            )
+        return torch.from_numpy(array)

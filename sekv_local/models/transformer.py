@@ -1,0 +1,96 @@
+"""A Llama-family decoder (llama / mistral / qwen2) in PyTorch, attention delegated to a cache policy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .gguf_file import GGUFModelFile
+
+if TYPE_CHECKING:
+    from ..cache.base import CachePolicy
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one block; Q, K, V fused into one matmul and gate/up into another (fewer CPU calls)."""
+
+    def __init__(self, wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor, attn_norm: torch.Tensor, ffn_norm: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("wqkv", wqkv)  # [(H + 2 KV) * D, n_embd]
+        self.register_buffer("bqkv", bqkv)  # [(H + 2 KV) * D] or None
+        self.register_buffer("wo", wo)  # [n_embd, H * D]
+        self.register_buffer("w_gate_up", w_gate_up)  # [2 n_ff, n_embd]
+        self.register_buffer("w_down", w_down)  # [n_embd, n_ff]
+        self.register_buffer("attn_norm", attn_norm)
+        self.register_buffer("ffn_norm", ffn_norm)
+
+
+class Transformer(nn.Module):
+    """Decoder over one sequence. tokens [T] -> logits [T or 1, vocab]."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], out_norm: torch.Tensor,
+                 lm_head: torch.Tensor | None) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("embed", embed)  # [vocab, n_embd]
+        self.layers = nn.ModuleList(layers)
+        self.register_buffer("out_norm", out_norm)
+        self.register_buffer("lm_head", lm_head)  # None when tied to the embedding
+
+    @classmethod
+    def from_gguf(cls, gguf_file: GGUFModelFile, device: torch.device | str = "cpu") -> "Transformer":
+        cfg = gguf_file.config
+        t = gguf_file.tensor
+        H, KV, D, E, FF = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_embd, cfg.n_ff
+        layers = []
+        for i in range(cfg.n_layers):
+            p = f"blk.{i}."
+            wq, wk, wv = t(p + "attn_q.weight", (H * D, E)), t(p + "attn_k.weight", (KV * D, E)), t(p + "attn_v.weight", (KV * D, E))
+            bqkv = None
+            if gguf_file.has_tensor(p + "attn_q.bias"):
+                bqkv = torch.cat([t(p + "attn_q.bias", (H * D,)), t(p + "attn_k.bias", (KV * D,)), t(p + "attn_v.bias", (KV * D,))])
+            layers.append(DecoderLayer(
+                wqkv=torch.cat([wq, wk, wv]), bqkv=bqkv, wo=t(p + "attn_output.weight", (E, H * D)),
+                w_gate_up=torch.cat([t(p + "ffn_gate.weight", (FF, E)), t(p + "ffn_up.weight", (FF, E))]),
+                w_down=t(p + "ffn_down.weight", (E, FF)),
+                attn_norm=t(p + "attn_norm.weight", (E,)), ffn_norm=t(p + "ffn_norm.weight", (E,)),
+            ))
+        embed = t("token_embd.weight", (cfg.vocab_size, E))
+        lm_head = t("output.weight", (cfg.vocab_size, E)) if gguf_file.has_tensor("output.weight") else None
+        model = cls(cfg, embed, layers, t("output_norm.weight", (E,)), lm_head)
+        return model.to(device)
+
+    def forward(self, tokens: torch.Tensor, cache: "CachePolicy",
+                logits: Literal["last", "all", "none"] = "last") -> torch.Tensor | None:
+        """Run `tokens` [T] (positions come from the cache's begin_chunk) through all layers."""
+        cfg = self.config
+        H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        T = tokens.shape[0]
+        x = F.embedding(tokens, self.embed)  # [T, E]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)  # [T, (H + 2KV) D]
+            q = qkv[:, : H * D].view(T, H, D).transpose(0, 1)
+            k = qkv[:, H * D: (H + KV) * D].view(T, KV, D).transpose(0, 1)
+            v = qkv[:, (H + KV) * D:].view(T, KV, D).transpose(0, 1)
+            attn = cache.attend(i, q, k, v)  # [H, T, D]
+            x = x + F.linear(attn.transpose(0, 1).reshape(T, H * D), layer.wo)
+            h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[-1:]
+        x = rms_norm(x, self.out_norm, cfg.rms_eps)
+        head = self.lm_head if self.lm_head is not None else self.embed
+        return F.linear(x, head)
