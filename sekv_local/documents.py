@@ -113,10 +113,8 @@ def read_document(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Docum
     try:
         st = path.stat()
     except (FileNotFoundError, NotADirectoryError):
-        raise DocumentError(
-            f"Document not found: {shown}. Check the path and the spelling "
-            f"(a relative path is taken from the current directory, {_show(Path.cwd())})."
-        ) from None
+        where = "" if path.is_absolute() else f" (a relative path is taken from the current directory, {_cwd()})"
+        raise DocumentError(f"Document not found: {shown}. Check the path and the spelling{where}.") from None
     except PermissionError:
         raise DocumentError(
             f"Cannot read {shown}: permission denied on the file or a folder above it. "
@@ -184,6 +182,13 @@ def _normalize(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def _cwd() -> str:
+    try:
+        return str(Path.cwd())
+    except OSError:
+        return "which no longer exists"
+
+
 def _show(path: Path) -> str:
     try:
         return str(path.absolute())
@@ -202,9 +207,12 @@ def _size(n: int) -> str:
 
 
 def _too_large(shown: str, size: int | None, max_bytes: int) -> str:
-    what = f"is {_size(size)} ({size:,} bytes)" if size is not None else "is larger than the limit"
+    def both(n: int) -> str:
+        return f"{_size(n)} ({n:,} bytes)" if n >= 1024 else f"{n:,} bytes"
+
+    what = f"is {both(size)}" if size is not None else "is larger than the limit"
     return (
-        f"{shown} {what}; the limit is {_size(max_bytes)} ({max_bytes:,} bytes). "
+        f"{shown} {what}; the limit is {both(max_bytes)}. "
         f"Split the document into smaller files, or raise the limit if you really mean it."
     )
 
@@ -219,22 +227,28 @@ def _decode(data: bytes, shown: str, suffix: str) -> str:
             encoding, label, bom_len = enc, name, len(bom)
             break
 
-    if encoding == "utf-8":  # no BOM: UTF-16/32 text is only recognised by its BOM
-        _refuse_binary(data, shown, suffix)
-    elif encoding == "utf-8-sig":
+    if encoding == "utf-8-sig":
         encoding = "utf-8"
         data = data[bom_len:]
+    if encoding == "utf-8" and data:  # without a BOM, UTF-16/32 text is not recognised (NUL bytes)
+        _refuse_binary(data, shown, suffix)
     # The UTF-16/32 codecs consume the BOM themselves and pick the byte order from it.
 
     try:
         text = data.decode(encoding)
     except UnicodeDecodeError as exc:
         offset = exc.start + (bom_len if encoding == "utf-8" else 0)
+        bad = data[exc.start : min(exc.end, exc.start + 4)].hex(" ") or "?"
+        if encoding == "utf-8":
+            fix = (
+                "Re-save it as UTF-8: in an editor, 'Save as' with UTF-8 encoding; or, if it is "
+                "Latin-1/Windows-1252 text, `iconv -f cp1252 -t utf-8 FILE > FILE.utf8.txt`."
+            )
+        else:
+            fix = f"The file may be damaged or not really {label}; re-save it as UTF-8 in an editor."
         raise DocumentError(
-            f"{shown} is not valid {label} text: byte {data[exc.start:exc.start + 1].hex(' ') or '?'} "
-            f"at offset {offset:,} cannot be decoded ({exc.reason}). "
-            f"Re-save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 FILE > FILE.utf8.txt`, "
-            f"or 'Save as... UTF-8' in an editor)."
+            f"{shown} is not valid {label} text: the byte(s) {bad} at offset {offset:,} "
+            f"cannot be decoded ({exc.reason}). {fix}"
         ) from None
 
     if encoding != "utf-8":  # decoded UTF-16/32 must still look like text

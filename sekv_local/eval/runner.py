@@ -1,0 +1,197 @@
+"""`sekv-local bench`: a grid of engines x methods x budgets x tasks x lengths x samples, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..documents import Document
+from ..engines import EngineOptions, create_engine
+from ..engines.base import Engine
+from ..errors import SekvError
+from ..models.prompt import PromptBuilder
+from ..models.registry import resolve_model
+from ..models.tokenizer import Tokenizer
+from ..session import Session, SessionSettings
+from .report import write_report
+from .scoring import score
+from .tasks import TASKS, Sample, generate_suite, parse_length
+
+#: answer length per task: enough for the reference answers, short enough to keep the grid fast
+MAX_NEW_TOKENS = {"niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64, "niah_multiquery": 64,
+                  "variable_tracking": 48, "common_words": 96, "doc_qa": 24, "multiturn_niah": 24}
+#: methods the stock llama.cpp engine can run
+STOCK_METHODS = ("full", "quant-q8_0", "quant-q4_0")
+#: methods that keep everything and therefore take no budget
+UNBUDGETED = ("full", "quant-q8_0", "quant-q4_0", "quant")
+
+
+@dataclass
+class BenchConfig:
+    tasks: list[str]
+    lengths: list[int]
+    samples: int
+    engines: list[str]
+    methods: list[str]
+    budgets: list[float | None] = field(default_factory=lambda: [None])
+    model: str = "smollm2-135m"
+    seed: int = 1
+    threads: int | None = None
+    chunk_size: int = 1024
+    out: str = "runs/bench"
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise SekvError(f"unknown task(s) {', '.join(unknown)} (available: {', '.join(TASKS)})")
+        if not self.tasks or not self.lengths or not self.engines or not self.methods:
+            raise SekvError("bench needs at least one task, length, engine and method")
+
+    @classmethod
+    def from_cli(cls, tasks: str, lengths: str, samples: int, engines: str, methods_: str, budgets: str, model: str,
+                 seed: int, threads: int | None, chunk_size: int, out: Path, quick: bool, command: str) -> "BenchConfig":
+        def split(text: str) -> list[str]:
+            return [p.strip() for p in text.split(",") if p.strip()]
+
+        if quick:
+            tasks, lengths, samples = "niah_single", "1k", 2
+        try:
+            length_list = [parse_length(x) for x in split(lengths)]
+        except ValueError as exc:
+            raise SekvError(str(exc)) from None
+        budget_list: list[float | None] = []
+        for b in split(budgets):
+            try:
+                value = float(b.rstrip("%")) / (100 if b.endswith("%") else 1)
+            except ValueError:
+                raise SekvError(f"'{b}' is not a budget fraction (e.g. 0.25)") from None
+            if not 0 < value <= 1:
+                raise SekvError(f"budget {b} must be a fraction in (0, 1]")
+            budget_list.append(value)
+        return cls(tasks=split(tasks), lengths=length_list, samples=samples, engines=split(engines),
+                   methods=split(methods_), budgets=budget_list or [None], model=model, seed=seed, threads=threads,
+                   chunk_size=chunk_size, out=str(out), command=command)
+
+    def method_budgets(self) -> Iterator[tuple[str, float | None]]:
+        for method in self.methods:
+            if method in UNBUDGETED:
+                yield method, None
+            else:
+                for budget in self.budgets:
+                    if budget is None:
+                        raise SekvError(f"method '{method}' needs --budgets")
+                    yield method, budget
+
+
+def _cell_key(engine: str, method: str, budget: float | None, task: str, length: int, sample: int) -> str:
+    return f"{engine}|{method}|{budget}|{task}|{length}|{sample}"
+
+
+def _atomic_write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _prompt_overhead(prompt: PromptBuilder) -> int:
+    """Tokens around the document: prefix + a typical question turn + slack."""
+    question = "What is the special magic number for brave-lion mentioned in the provided text? " \
+               "Answer with the number only."
+    return len(prompt.document_tokens("")[0]) + len(prompt.turn_tokens([], question)) + 16
+
+
+def run_sample(engine: Engine, sample: Sample, settings: SessionSettings, model_path: Path,
+               max_new_tokens: int) -> list[dict[str, Any]]:
+    """Ingest one sample's document, ask its questions in turn (multi-turn keeps the conversation)."""
+    session = Session(engine, Document(None, sample.document, ""), settings, model_path)
+    engine.reset_stats()
+    session.ingest()
+    records = []
+    for turn, question in enumerate(sample.questions):
+        answer = session.answer(question.text, max_new_tokens=max_new_tokens)
+        mem = answer.memory
+        records.append({
+            "task": sample.task, "seed": sample.seed, "turn": turn,
+            "depth": question.meta.get("depth", sample.meta.get("depth")),
+            "score": score(answer.text, question), "prediction": answer.text, "answers": question.answers,
+            "n_tokens": session.document_tokens + answer.prompt_tokens,
+            "prefill_s": session.ingest_s + answer.prefill_s if turn == 0 else answer.prefill_s,
+            "prefill_tokens": engine.stats.prefill_tokens if turn == 0 else answer.prompt_tokens,
+            "decode_s": answer.decode_s, "decode_tokens": answer.n_tokens,
+            "device_bytes": mem["device_bytes"], "device_peak_bytes": mem["device_peak_bytes"],
+            "host_bytes": mem["host_bytes"], "full_kv_bytes": mem["full_kv_bytes"],
+        })
+    return records
+
+
+def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path]:
+    from tqdm import tqdm
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.json"
+    results: dict[str, Any] = {"config": asdict(config), "records": []}
+    if results_path.exists():
+        try:
+            previous = json.loads(results_path.read_text())
+            results["records"] = [r for r in previous.get("records", []) if r.get("model") == config.model]
+        except (json.JSONDecodeError, OSError):
+            print(f"warning: {results_path} is unreadable; starting it afresh", file=sys.stderr)
+    done = {_cell_key(r["engine"], r["method"], r["budget"], r["task"], r["length"], r["sample"])
+            for r in results["records"]}
+
+    model_path = resolve_model(config.model, show_progress=show_progress)
+    tokenizer = Tokenizer(model_path)
+    prompt = PromptBuilder(tokenizer)
+    overhead = _prompt_overhead(prompt)
+    suites: dict[tuple[str, int], list[Sample]] = {}
+
+    plan = []
+    for engine_name in config.engines:
+        for method, budget in config.method_budgets():
+            if engine_name == "llama.cpp-stock" and method not in STOCK_METHODS:
+                print(f"skipping {method} on {engine_name} (it runs {', '.join(STOCK_METHODS)})", file=sys.stderr)
+                continue
+            for length in config.lengths:
+                for task in config.tasks:
+                    for i in range(config.samples):
+                        if _cell_key(engine_name, method, budget, task, length, i) not in done:
+                            plan.append((engine_name, method, budget, length, task, i))
+    bar = tqdm(total=len(plan), desc="bench", unit="sample", disable=not show_progress, file=sys.stderr,
+               dynamic_ncols=True)
+    engine: Engine | None = None
+    engine_key = None
+    scores: list[float] = []
+    for engine_name, method, budget, length, task, i in plan:
+        options = {"n_ctx": length + 256} if engine_name == "llama.cpp-stock" else {}
+        key = (engine_name, method, budget, length if options else None)
+        if key != engine_key:
+            engine = create_engine(engine_name, model_path, tokenizer, EngineOptions(
+                method=method, budget=budget, threads=config.threads, chunk_size=config.chunk_size,
+                method_options=options))
+            engine_key = key
+        if (task, length) not in suites:
+            suites[(task, length)] = generate_suite(task, length - overhead, config.samples, config.seed,
+                                                    tokenizer.count)
+        sample = suites[(task, length)][i]
+        settings = SessionSettings(model=config.model, engine=engine_name, method=method, budget=budget,
+                                   threads=config.threads, chunk_size=config.chunk_size)
+        started = time.perf_counter()
+        records = run_sample(engine, sample, settings, model_path, MAX_NEW_TOKENS.get(task, 32))
+        for r in records:
+            r.update({"engine": engine_name, "method": method, "budget": budget, "model": config.model,
+                      "length": length, "sample": i, "wall_s": round(time.perf_counter() - started, 3)})
+            scores.append(r["score"])
+        results["records"].extend(records)
+        _atomic_write_json(results_path, results)
+        bar.set_postfix_str(f"{engine_name}/{method}/{task}/{length}: acc {100 * sum(scores) / len(scores):.0f}%")
+        bar.update(1)
+    bar.close()
+    paths = write_report(results, out, title=f"sekv-local bench — {config.model}")
+    return {"results": results_path, **paths}

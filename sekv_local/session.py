@@ -1,0 +1,197 @@
+"""A document loaded once and a conversation about it: the API the CLI, TUI and bench share."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .documents import Document, read_document
+from .engines import EngineOptions, SamplingConfig, create_engine
+from .engines.base import Engine
+from .errors import DocumentError, SekvError
+from .models.prompt import PromptBuilder, Turn
+from .models.registry import DEFAULT_MODEL, resolve_model
+from .models.tokenizer import StreamDecoder, Tokenizer
+
+ProgressFn = Callable[[int, int], None]
+
+#: tokens kept free after the document for a question and its answer
+ANSWER_RESERVE = 384
+
+
+@dataclass
+class Answer:
+    """One finished (or stopped) answer with what it cost."""
+
+    question: str
+    text: str
+    n_tokens: int
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    memory: dict[str, Any]
+    observations: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "question": self.question, "answer": self.text, "answer_tokens": self.n_tokens,
+            "prompt_tokens": self.prompt_tokens, "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "decode_tokens_per_s": round(self.n_tokens / self.decode_s, 2) if self.decode_s else None,
+            "memory": self.memory, "observations": self.observations,
+        }
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    model: str = DEFAULT_MODEL
+    engine: str = "torch"
+    method: str = "full"
+    budget: float | int | None = None
+    threads: int | None = None
+    chunk_size: int = 1024
+    device: str = "cpu"
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = SamplingConfig()
+    method_options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise SekvError("max new tokens must be >= 1")
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(method=self.method, budget=self.budget, threads=self.threads,
+                             chunk_size=self.chunk_size, device=self.device,
+                             method_options=dict(self.method_options))
+
+
+class Session:
+    """Holds one engine whose context starts with one document; questions are appended after it.
+
+    `ask` streams an answer; the conversation stays in the cache (multi-turn) unless
+    `reset_conversation()` rolls the context back to just after the document.
+    """
+
+    def __init__(self, engine: Engine, document: Document, settings: SessionSettings, model_path: Path) -> None:
+        self.engine = engine
+        self.document = document
+        self.settings = settings
+        self.model_path = model_path
+        self.prompt = PromptBuilder(engine.tokenizer)
+        self.turns: list[Turn] = []
+        self.answers: list[Answer] = []
+        self.document_tokens = 0
+        self.ingest_s = 0.0
+        self._after_document: Any = None
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, document: Document | str | Path, settings: SessionSettings = SessionSettings(),
+               show_progress: bool = True, tokenizer: Tokenizer | None = None,
+               engine: Engine | None = None) -> "Session":
+        """Resolve the model (pulling the default one on first use) and build the engine; no ingest yet."""
+        doc = document if isinstance(document, Document) else read_document(document)
+        model_path = resolve_model(settings.model, show_progress=show_progress)
+        if engine is None:
+            tokenizer = tokenizer or Tokenizer(model_path)
+            engine = create_engine(settings.engine, model_path, tokenizer, settings.engine_options())
+        return cls(engine, doc, settings, model_path)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def ingest(self, progress: ProgressFn | None = None) -> None:
+        """Feed the document once (chunked prefill); refuses up front if it cannot fit."""
+        prefix, doc_ids = self.prompt.document_tokens(self.document.text)
+        needed = len(prefix) + len(doc_ids) + ANSWER_RESERVE
+        limit = self.engine.max_context()
+        if needed > limit:
+            raise DocumentError(
+                f"{self.document.name} is {len(doc_ids)} tokens; with the prompt and room for an answer that is "
+                f"{needed} tokens, but engine '{self.settings.engine}' with method '{self.settings.method}' holds at "
+                f"most {limit} (model trained context {self.engine.config.context_length}). "
+                f"{_fitting_advice(len(doc_ids), limit)}")
+        self.engine.reset()
+        self.turns.clear()
+        self.answers.clear()
+        start = time.perf_counter()
+        self.engine.feed(prefix + doc_ids, progress=progress)
+        self.engine.finish_prefill()
+        self.ingest_s = time.perf_counter() - start
+        self.document_tokens = len(doc_ids)
+        self._after_document = self.engine.mark()
+
+    @property
+    def ingested(self) -> bool:
+        return self._after_document is not None
+
+    # -- conversation ----------------------------------------------------------------------------
+    def reset_conversation(self) -> None:
+        """Forget the questions and answers; keep the document's cache."""
+        if not self.ingested:
+            raise SekvError("no document ingested yet")
+        self.engine.rollback(self._after_document)
+        self.turns.clear()
+
+    def ask(self, question: str, max_new_tokens: int | None = None, keep_history: bool = True) -> Iterator[str]:
+        """Stream the answer to `question` as text pieces. When done (or stopped early by closing the
+        iterator) the answer is recorded in `self.answers` and, with `keep_history`, kept in the cache."""
+        if not self.ingested:
+            self.ingest()
+        question = question.strip()
+        if not question:
+            raise SekvError("empty question")
+        max_new = max_new_tokens or self.settings.max_new_tokens
+        if not keep_history:
+            self.reset_conversation()
+        ids = self.prompt.turn_tokens(self.turns, question)
+        if self.engine.n_tokens + len(ids) + max_new > self.engine.max_context():
+            # The conversation outgrew the context: start over from the document (it stays cached).
+            self.reset_conversation()
+            ids = self.prompt.turn_tokens(self.turns, question)
+        stats = self.engine.stats
+        p0, d0 = stats.prefill_s, stats.decode_s
+        self.engine.feed(ids)
+        self.engine.finish_prefill()
+        decoder = StreamDecoder(self.tokenizer)
+        pieces: list[str] = []
+        n = 0
+        try:
+            for token in self.engine.generate(max_new, self.settings.sampling):
+                n += 1
+                piece = decoder.push(token)
+                if piece:
+                    pieces.append(piece)
+                    yield piece
+            tail = decoder.flush()
+            if tail:
+                pieces.append(tail)
+                yield tail
+        finally:
+            text = "".join(pieces).strip()
+            self.turns.append(Turn(question, text))
+            self.answers.append(Answer(
+                question=question, text=text, n_tokens=n, prompt_tokens=len(ids),
+                prefill_s=self.engine.stats.prefill_s - p0, decode_s=self.engine.stats.decode_s - d0,
+                memory=self.engine.memory().as_dict(), observations=self.engine.observations()))
+            if not keep_history:
+                self.reset_conversation()
+
+    def answer(self, question: str, **kwargs: Any) -> Answer:
+        """Non-streaming `ask`: the finished Answer."""
+        for _ in self.ask(question, **kwargs):
+            pass
+        return self.answers[-1]
+
+
+def _fitting_advice(doc_tokens: int, limit: int) -> str:
+    from .cache import available_policies
+
+    compressing = [m for m in available_policies() if m != "full"]
+    if compressing:
+        return (f"Use a compressing method with the torch engine (--engine torch --method {compressing[0]} "
+                f"--budget 0.25; available: {', '.join(compressing)}) or a shorter document.")
+    return f"Use a shorter document (at most about {max(0, limit - ANSWER_RESERVE - 64)} tokens)."
