@@ -109,7 +109,7 @@ def _prompt_overhead(prompt: PromptBuilder) -> int:
 def run_sample(engine: Engine, sample: Sample, settings: SessionSettings, model_path: Path,
                max_new_tokens: int) -> list[dict[str, Any]]:
     """Ingest one sample's document, ask its questions in turn (multi-turn keeps the conversation)."""
-    session = Session(engine, Document(None, sample.document, ""), settings, model_path)
+    session = Session(engine, Document.from_text(sample.document), settings, model_path)
     engine.reset_stats()
     session.ingest()
     records = []
