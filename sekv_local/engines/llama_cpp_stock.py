@@ -54,12 +54,13 @@ class LlamaCppStockEngine(Engine):
         if unknown:
             raise SekvError(f"engine llama.cpp-stock: unknown option(s) {', '.join(unknown)} "
                             f"(available: {', '.join(_METHOD_OPTIONS)})")
+        n_ctx = options.method_options.get("n_ctx")
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
+            raise SekvError(f"engine llama.cpp-stock: n_ctx must be a positive integer, got {n_ctx!r}")
         config = GGUFModelFile(gguf_path).config
         super().__init__(config, tokenizer, options)
-
-        n_ctx = options.method_options.get("n_ctx", config.context_length)
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1:
-            raise SekvError(f"engine llama.cpp-stock: n_ctx must be a positive integer, got {n_ctx!r}")
+        if n_ctx is None:
+            n_ctx = config.context_length  # llama.cpp allocates the KV buffer for all of it up front
         threads = options.threads or os.cpu_count() or 1
         if options.device == "cpu":
             gpu_layers = 0

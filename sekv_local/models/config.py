@@ -28,6 +28,7 @@ class ModelConfig:
     rope_scale: float  # linear position scaling factor (1.0 = none)
     rope_interleaved: bool  # llama-arch GGUFs permute Q/K so RoPE rotates adjacent pairs
     name: str = ""
+    rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (llama 3.1 `rope_freqs`)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -38,6 +39,8 @@ class ModelConfig:
             raise ModelError(f"head count {self.n_heads} is not a multiple of KV head count {self.n_kv_heads}")
         if self.rope_dim > self.head_dim or self.rope_dim % 2:
             raise ModelError(f"RoPE dimension {self.rope_dim} does not fit head dim {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.rope_dim // 2:
+            raise ModelError(f"rope_freqs has {len(self.rope_freq_factors)} entries, expected {self.rope_dim // 2}")
 
     @property
     def group_size(self) -> int:

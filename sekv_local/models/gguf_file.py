@@ -67,6 +67,9 @@ class GGUFModelFile:
         if scaling not in ("none", "linear"):
             raise ModelError(f"{self.path.name}: RoPE scaling '{scaling}' is not supported by the torch engine")
         factor = float(self.metadata(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        freq_factors = None
+        if self.has_tensor("rope_freqs.weight"):
+            freq_factors = tuple(float(x) for x in self.tensor("rope_freqs.weight").flatten().tolist())
         vocab = self.metadata(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
@@ -86,6 +89,7 @@ class GGUFModelFile:
             rope_scale=factor,
             rope_interleaved=arch in ("llama", "mistral"),
             name=str(self.metadata("general.name", self.path.stem)),
+            rope_freq_factors=freq_factors,
         )
 
     def has_tensor(self, name: str) -> bool:

@@ -19,7 +19,10 @@ class Rope:
         self.interleaved = config.rope_interleaved
         self.scale = config.rope_scale
         exponent = torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim
-        self.inv_freq = (1.0 / (config.rope_base ** exponent)).to(torch.float32)  # [dim/2]
+        inv_freq = 1.0 / (config.rope_base ** exponent)  # [dim/2]
+        if config.rope_freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
+        self.inv_freq = inv_freq.to(torch.float32)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables for `positions` [T] -> two tensors [T, dim/2] (float32)."""
