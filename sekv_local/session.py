@@ -115,6 +115,7 @@ class Session:
                 f"most {limit} (model trained context {self.engine.config.context_length}). "
                 f"{_fitting_advice(len(doc_ids), limit)}")
         self.engine.reset()
+        self.engine.reserve(len(prefix) + len(doc_ids))  # budgets are fractions of the document's full KV
         self.turns.clear()
         self.answers.clear()
         start = time.perf_counter()
@@ -154,6 +155,7 @@ class Session:
             ids = self.prompt.turn_tokens(self.turns, question)
         stats = self.engine.stats
         p0, d0 = stats.prefill_s, stats.decode_s
+        self.engine.reset_observations()
         self.engine.feed(ids)
         self.engine.finish_prefill()
         decoder = StreamDecoder(self.tokenizer)

@@ -2,3 +2,4 @@
 
 from .base import CachePolicy, MemoryReport, register_policy, create_policy, available_policies  # noqa: F401
 from . import full  # noqa: F401  (registers "full")
+from ..sekv import policy as _sekv_policy  # noqa: F401,E402  (registers "sekv")

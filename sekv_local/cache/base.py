@@ -115,6 +115,21 @@ class CachePolicy(ABC):
     def finish_prefill(self) -> None:
         """The document (or a new user turn) has been fed; methods that compress after prefill do it here."""
 
+    def reserve(self, n_tokens: int) -> None:
+        """The context will hold about n_tokens (document + conversation); fractional budgets are
+        fractions of the full-KV bytes of that many tokens."""
+
+    def max_chunk_tokens(self) -> int | None:
+        """Largest prefill chunk the method's budget allows (None = no limit of its own)."""
+        return None
+
+    def max_tokens(self) -> int | None:
+        """Most tokens the method can hold (None = no limit); default: the model's trained context."""
+        return self.config.context_length
+
+    def reset_observations(self) -> None:
+        """Start collecting `observations()` afresh (called before each question)."""
+
     # -- conversation rollback -----------------------------------------------------------------
     @abstractmethod
     def mark(self) -> Any:

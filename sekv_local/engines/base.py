@@ -135,6 +135,16 @@ class Engine(ABC):
     def finish_prefill(self) -> None:
         """The document (or a user turn) is complete; compressing methods may act now."""
 
+    def reserve(self, n_tokens: int) -> None:
+        """The context will hold about n_tokens; budgeted methods size themselves for it."""
+
+    def reset_observations(self) -> None:
+        """Start a new answer's observations (e.g. SeKV's zoomed spans)."""
+
+    def chunk_size(self) -> int:
+        """Prefill chunk size: the option, capped by what the method allows."""
+        return self.options.chunk_size
+
     def observations(self) -> dict[str, Any]:
         return {}
 
@@ -146,7 +156,7 @@ class Engine(ABC):
         if self.n_tokens + len(tokens) > self.max_context():
             raise SekvError(f"context would hold {self.n_tokens + len(tokens)} tokens; this engine and method "
                             f"can hold at most {self.max_context()}")
-        step = self.options.chunk_size
+        step = self.chunk_size()
         start = time.perf_counter()
         for i in range(0, len(tokens), step):
             self._last_logits = self._forward(tokens[i: i + step], prefill=True)

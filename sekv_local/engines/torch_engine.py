@@ -68,12 +68,29 @@ class TorchEngine(Engine):
         self.cache.end_chunk(logits, ids)
         return logits[-1].float().cpu().numpy()
 
+    @torch.inference_mode()
     def finish_prefill(self) -> None:
         self.cache.finish_prefill()
 
+    def reserve(self, n_tokens: int) -> None:
+        self.cache.reserve(n_tokens)
+
+    def reset_observations(self) -> None:
+        self.cache.reset_observations()
+
+    def chunk_size(self) -> int:
+        cap = self.cache.max_chunk_tokens()
+        return min(self.options.chunk_size, cap) if cap else self.options.chunk_size
+
+    def max_context(self) -> int:
+        limit = self.cache.max_tokens()
+        return limit if limit is not None else 1 << 30
+
+    @torch.inference_mode()
     def mark(self) -> Any:
         return (self.n_tokens, self._last_logits, self.cache.mark())
 
+    @torch.inference_mode()
     def rollback(self, mark: Any) -> None:
         self.n_tokens, self._last_logits, cache_mark = mark
         self.cache.rollback(cache_mark)

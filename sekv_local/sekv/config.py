@@ -1,0 +1,76 @@
+"""All SeKV settings in one validated dataclass (defaults from the authors' config, METHODS.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import SekvError
+
+POSITION_STRATEGIES = ("original", "bounded")
+ROUTERS = ("projection", "attention")
+
+
+@dataclass(frozen=True)
+class SekvConfig:
+    """SeKV hyperparameters.
+
+    alpha: boundary where surprisal > mean + alpha * std (running statistics).
+    l_min, l_max: span length limits in tokens (candidates closer than l_min are not cut).
+    n_sink: attention-sink tokens at the start, always exact.
+    recent: most recent tokens kept exact (document tail, question, generated tokens).
+    anchor_fraction: at most this fraction of compressed tokens stays exact as anchors (high-surprisal
+        boundary tokens); the budget may lower it further.
+    zoom_k: spans rebuilt per layer and KV head per step (hard top-k: the zoom pool's size).
+    energy: SVD rank per span = smallest rank keeping this fraction of the squared singular values.
+    max_rank: rank cap per span.
+    routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
+    threshold: initial per-head zoom threshold on sigmoid relevance.
+    router: "projection" (DESIGN §5.4 formula through the Router module) or "attention" (zoom where the
+        coarse summary rows get the most attention logit; training-free).
+    positions: "original" keeps every token's own position; "bounded" places all memory (spans,
+        anchors) at positions inside the trained window (InfLLM-style), for documents longer than it.
+    dtype: storage type of exact K/V, summaries and host factors.
+    """
+
+    alpha: float = 1.0
+    l_min: int = 8
+    l_max: int = 64
+    n_sink: int = 4
+    recent: int = 128
+    anchor_fraction: float = 0.05
+    zoom_k: int = 16
+    energy: float = 0.99
+    max_rank: int = 32
+    routing_dim: int = 32
+    threshold: float = 0.05
+    router: str = "attention"
+    positions: str = "original"
+    dtype: str = "f16"
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise SekvError(f"sekv: {message}")
+
+        need(self.alpha >= 0, "alpha must be >= 0")
+        need(1 <= self.l_min <= self.l_max, "need 1 <= l_min <= l_max")
+        need(self.l_max >= 2 * self.l_min, "l_max must be >= 2 * l_min (so long spans split into valid spans)")
+        need(self.n_sink >= 0 and self.recent >= 1, "n_sink >= 0 and recent >= 1")
+        need(0 <= self.anchor_fraction <= 1, "anchor_fraction must be in [0, 1]")
+        need(self.zoom_k >= 0, "zoom_k must be >= 0")
+        need(0 < self.energy <= 1, "energy must be in (0, 1]")
+        need(self.max_rank >= 1, "max_rank must be >= 1")
+        need(self.routing_dim >= 2 and self.routing_dim % 2 == 0, "routing_dim must be an even number >= 2")
+        need(0 < self.threshold < 1, "threshold must be in (0, 1)")
+        need(self.router in ROUTERS, f"router must be one of {ROUTERS}")
+        need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
+        need(self.dtype in ("f16", "bf16", "f32"), "dtype must be f16, bf16 or f32")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "SekvConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise SekvError(f"sekv: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        return cls(**options)

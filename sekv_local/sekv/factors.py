@@ -1,0 +1,115 @@
+"""Host-tier span store: truncated SVD factors of span keys (or values) for one layer.
+
+Spans have different lengths and ranks, so factors live ragged in flat buffers: for span s with
+length L, rank r and KV heads h: U (singular values folded in) as [KV, L, r] and W as [KV, r, D].
+When r (L + D) >= L D the factors would be larger than the span, so the span is stored raw
+([KV, L, D] in the W area, no U) — the store is never larger than the raw keys.
+Packing and rebuilding are index arithmetic over all spans at once (no loops over spans or heads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buffers import FlatBuffer, VecBuffer
+
+
+class FactorStore:
+    def __init__(self, n_kv: int, head_dim: int, dtype: torch.dtype, pin: bool = False) -> None:
+        self.n_kv, self.head_dim = n_kv, head_dim
+        self.u = FlatBuffer(dtype, "cpu", pin)
+        self.w = FlatBuffer(dtype, "cpu", pin)
+        self.u_off = VecBuffer(torch.long, "cpu")
+        self.w_off = VecBuffer(torch.long, "cpu")
+        self.rank = VecBuffer(torch.long, "cpu")  # rows of W per head: the rank, or L when raw
+        self.raw = VecBuffer(torch.bool, "cpu")
+
+    @property
+    def n_spans(self) -> int:
+        return self.rank.length
+
+    def add(self, x: torch.Tensor, lengths: torch.Tensor, energy: float, max_rank: int) -> torch.Tensor:
+        """Factor new spans. x: [S, KV, l_max, D] float32 (rows past each length are zero);
+        lengths: [S]. Returns the stored rank per span [S] (L for raw spans)."""
+        S, KV, l_max, D = x.shape
+        if S == 0:
+            return torch.zeros(0, dtype=torch.long)
+        x = x.float().cpu()
+        lengths = lengths.cpu()
+        U, sv, Vh = torch.linalg.svd(x, full_matrices=False)  # [S,KV,l_max,m], [S,KV,m], [S,KV,m,D]
+        power = sv.square()
+        cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
+        rank = ((cum < energy).sum(-1) + 1).amax(dim=1)  # [S] shared by the span's KV heads
+        rank = torch.minimum(torch.minimum(rank, torch.full_like(rank, max_rank)), lengths)
+        raw = rank * (lengths + D) >= lengths * D
+        eff = torch.where(raw, lengths, rank)
+
+        M = int(eff.max())
+        j = torch.arange(M)
+        t = torch.arange(l_max)
+        # U area: [S, KV, l_max, R] with singular values folded in; empty for raw spans
+        R = min(M, U.shape[-1])
+        u_vals = U[..., :R] * sv[..., None, :R]
+        u_mask = ((t[None, :, None] < lengths[:, None, None]) & (j[None, None, :R] < rank[:, None, None])
+                  & ~raw[:, None, None])  # [S, l_max, R]
+        u_flat = u_vals[u_mask[:, None].expand(S, KV, l_max, R)]
+        # W area: rows of Vh (factored) or of x itself (raw), [S, KV, M, D]
+        w_src = torch.zeros(S, KV, M, D)
+        w_src[:, :, : min(M, Vh.shape[2])] = Vh[:, :, :M]
+        raw_rows = torch.zeros(S, KV, M, D)
+        raw_rows[:, :, : min(M, l_max)] = x[:, :, :M]
+        w_src = torch.where(raw[:, None, None, None], raw_rows, w_src)
+        w_mask = (j[None, :] < eff[:, None])[:, None, :, None].expand(S, KV, M, D)
+        w_flat = w_src[w_mask]
+
+        u_count = torch.where(raw, torch.zeros_like(rank), KV * lengths * rank)
+        w_count = KV * eff * D
+        u_base = self.u.append(u_flat)
+        w_base = self.w.append(w_flat)
+        self.u_off.append(u_base + torch.cumsum(u_count, 0) - u_count)
+        self.w_off.append(w_base + torch.cumsum(w_count, 0) - w_count)
+        self.rank.append(eff)
+        self.raw.append(raw)
+        return eff
+
+    def rebuild(self, heads: torch.Tensor, spans: torch.Tensor, lengths: torch.Tensor, l_max: int) -> torch.Tensor:
+        """Rows of (head, span) pairs: heads, spans [n] -> [n, l_max, D] float32 (zero past each length).
+        lengths: [all spans] span lengths."""
+        n = int(spans.numel())
+        D = self.head_dim
+        if n == 0:
+            return torch.zeros(0, l_max, D)
+        heads, spans = heads.cpu(), spans.cpu()
+        r = self.rank.view()[spans]
+        L = lengths.cpu()[spans]
+        raw = self.raw.view()[spans]
+        M = int(r.max())
+        j = torch.arange(M)
+        t = torch.arange(l_max)
+        d = torch.arange(D)
+        w_idx = self.w_off.view()[spans][:, None, None] + ((heads[:, None] * r[:, None] + j[None, :]) * D)[:, :, None] \
+            + d[None, None, :]
+        w_ok = (j[None, :] < r[:, None])[:, :, None].expand(n, M, D)
+        W = torch.where(w_ok, self.w.data[w_idx.clamp(max=max(self.w.length - 1, 0))].float(), 0.0)
+        u_idx = self.u_off.view()[spans][:, None, None] + (heads[:, None, None] * L[:, None, None] + t[None, :, None]) \
+            * r[:, None, None] + j[None, None, :]
+        u_ok = (t[None, :, None] < L[:, None, None]) & (j[None, None, :] < r[:, None, None])
+        if self.u.length:
+            U = torch.where(u_ok & ~raw[:, None, None], self.u.data[u_idx.clamp(max=self.u.length - 1)].float(), 0.0)
+        else:
+            U = torch.zeros(n, l_max, M)
+        eye = (t[None, :, None] == j[None, None, :]) & u_ok
+        U = torch.where(raw[:, None, None], eye.float(), U)
+        return U @ W
+
+    def truncate(self, n_spans: int) -> None:
+        """Forget spans from index n_spans on."""
+        if n_spans >= self.n_spans:
+            return
+        self.u.truncate(int(self.u_off.view()[n_spans]))
+        self.w.truncate(int(self.w_off.view()[n_spans]))
+        for buf in (self.u_off, self.w_off, self.rank, self.raw):
+            buf.truncate(n_spans)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.u.data, self.w.data, self.u_off.data, self.w_off.data, self.rank.data, self.raw.data]

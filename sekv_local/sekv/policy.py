@@ -1,0 +1,401 @@
+"""`sekv`: the SeKV cache policy (DESIGN §5) behind the common CachePolicy interface.
+
+Per layer the device tier holds: exact tokens (attention sinks and anchors), the pending tokens
+(recent window, the current prefill chunk, question and generated tokens, all exact), and per span
+and KV head a summary key/value and a routing key. Spans' SVD factors sit in host RAM (FactorStore).
+Everything is stored before RoPE; RoPE is applied at attention time with positions chosen by the
+position strategy, so rebuilt spans can be placed anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache.attention import gqa_attention
+from ..cache.base import CachePolicy, register_policy, storage_bytes
+from ..errors import BudgetError, SekvError
+from ..models.config import ModelConfig
+from ..models.rope import Rope
+from .buffers import RowBuffer, VecBuffer
+from .config import SekvConfig
+from .factors import FactorStore
+from .router import Router
+from .segmentation import RunningStats, segment
+
+_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+# (l_min, l_max) ladder the budget planner climbs when summaries would not fit
+_SPAN_LADDER = (1, 2, 4)  # multipliers of l_min (capped at l_max / 2)
+_POSITION_MARGIN = 64  # "bounded": far memory sits this far inside the trained window
+
+
+@dataclass
+class _Layer:
+    exact_k: RowBuffer
+    exact_v: RowBuffer
+    pend_k: RowBuffer
+    pend_v: RowBuffer
+    sum_k: RowBuffer
+    sum_v: RowBuffer
+    route_k: RowBuffer
+    fac_k: FactorStore
+    fac_v: FactorStore
+
+
+class SekvCache(CachePolicy):
+    name = "sekv"
+    needs_all_logits = True
+
+    def __init__(self, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu",
+                 budget: float | int | None = 0.25, router: Router | None = None, **options: Any) -> None:
+        super().__init__(config, rope, device)
+        self.cfg = SekvConfig.from_options(options)
+        if budget is None:
+            budget = 0.25
+        if isinstance(budget, float) and not 0 < budget <= 1:
+            raise SekvError(f"sekv: a fractional budget must be in (0, 1], got {budget}")
+        self.budget_spec = budget
+        self.router = router if router is not None else Router(config, self.cfg)
+        dt = _DTYPES[self.cfg.dtype]
+        KV, D = config.n_kv_heads, config.head_dim
+        dp = self.router.routing_dim
+        pin = self.device.type == "cuda"
+        dev = self.device
+        self.layers = [_Layer(RowBuffer(KV, D, dt, dev, 32), RowBuffer(KV, D, dt, dev, 32),
+                              RowBuffer(KV, D, dt, dev, 64), RowBuffer(KV, D, dt, dev, 64),
+                              RowBuffer(KV, D, dt, dev, 64), RowBuffer(KV, D, dt, dev, 64),
+                              RowBuffer(KV, dp, dt, dev, 64),
+                              FactorStore(KV, D, dt, pin), FactorStore(KV, D, dt, pin))
+                       for _ in range(config.n_layers)]
+        self.exact_pos = VecBuffer(torch.long, dev, 32)
+        self.pend_pos = VecBuffer(torch.long, dev, 64)
+        self.pend_surprisal = VecBuffer(torch.float32, dev, 64)
+        self.span_pos = VecBuffer(torch.long, dev, 64)
+        self.span_len = VecBuffer(torch.long, dev, 64)
+        self.stats = RunningStats()
+        self._prev_logprobs: torch.Tensor | None = None
+        self._zoom_events: list[tuple[int, torch.Tensor]] = []
+        self._shift = 0
+        self.planned_tokens = config.context_length
+        self._plan()
+
+    # -- budget ------------------------------------------------------------------------------------
+    @property
+    def token_bytes(self) -> int:
+        """Device bytes of one exact token over all layers (K and V, pre-RoPE) plus its position."""
+        c = self.config
+        return c.n_layers * 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
+
+    @property
+    def span_bytes(self) -> int:
+        """Device bytes of one span over all layers: summary K, V and routing key per KV head + metadata."""
+        c = self.config
+        width = 2 * c.head_dim + self.router.routing_dim
+        return c.n_layers * c.n_kv_heads * width * _DTYPES[self.cfg.dtype].itemsize + 16
+
+    def reserve(self, n_tokens: int) -> None:
+        """Plan the budget for a context of about n_tokens (document + room for the conversation)."""
+        self.planned_tokens = max(int(n_tokens), 1)
+        self._plan()
+
+    def _plan(self) -> None:
+        cfg, c = self.cfg, self.config
+        full = c.full_kv_bytes(self.planned_tokens)
+        self.budget_bytes = int(self.budget_spec * full) if isinstance(self.budget_spec, float) else int(self.budget_spec)
+        budget_tokens = self.budget_bytes // self.token_bytes
+        self.recent = max(min(cfg.recent, int(0.15 * budget_tokens)), 8)
+        self.chunk_tokens = int(min(1024, max(16, 0.25 * budget_tokens)))
+        for mult in _SPAN_LADDER:
+            l_min, l_max = min(cfg.l_min * mult, cfg.l_max // 2), cfg.l_max
+            self.l_min, self.l_max = l_min, l_max
+            # growth slack of the row buffers (exact 32 rows, pending 64, summaries 64) is allocated too
+            fixed = (cfg.n_sink + self.recent + self.chunk_tokens + l_max + 32 + 64) * self.token_bytes \
+                + 64 * self.span_bytes + self.zoom_pool_bytes()
+            spans = math.ceil(self.planned_tokens / ((l_min + l_max) / 2))
+            if fixed + spans * self.span_bytes <= self.budget_bytes:
+                self.fixed_bytes = fixed
+                return
+        best = fixed + spans * self.span_bytes  # the cheapest plan tried
+        raise BudgetError(
+            f"sekv: a budget of {self.budget_bytes / 2**20:.1f} MiB ({self.budget_bytes / full:.1%} of full KV for "
+            f"{self.planned_tokens} tokens) cannot hold even the minimum: recent window, prefill chunk and zoom pool "
+            f"need {fixed / 2**20:.1f} MiB and span summaries at least {(best - fixed) / 2**20:.1f} MiB. "
+            f"Use a budget of at least {best / full:.0%} (e.g. --budget {min(1.0, 1.25 * best / full):.2f}).")
+
+    def zoom_pool_bytes(self) -> int:
+        """One layer's rebuilt K and V rows (float32): the zoom working set of a step."""
+        c = self.config
+        return 2 * c.n_kv_heads * self.cfg.zoom_k * self.l_max * c.head_dim * 4
+
+    def max_chunk_tokens(self) -> int:
+        return self.chunk_tokens
+
+    def max_tokens(self) -> int | None:
+        return None if self.cfg.positions == "bounded" else self.config.context_length
+
+    # -- positions ---------------------------------------------------------------------------------
+    def begin_chunk(self, positions: torch.Tensor, is_prefill: bool) -> None:
+        self._positions = positions
+        self._is_prefill = is_prefill
+        self.pend_pos.append(positions)
+        if self.cfg.positions == "bounded":
+            # RoPE sees only differences: shift everything so the newest query sits inside the trained
+            # window; keys that would fall before 0 share position 0 (one fixed distance, as InfLLM).
+            self._shift = max(0, int(positions.max()) + 1 + _POSITION_MARGIN - self.config.context_length)
+        self._q_cos_sin = self.rope.cos_sin(positions - self._shift)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE on x [..., N, D] (any float dtype -> float32) at positions [N] or [KV, N]."""
+        p = (positions - self._shift).clamp_min(0)
+        cos, sin = self.rope.cos_sin(p.reshape(-1))
+        if p.dim() == 2:
+            cos, sin = cos.view(*p.shape, -1), sin.view(*p.shape, -1)
+        return self.rope.apply(x.float(), p, (cos, sin))
+
+    # -- attention ---------------------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        L = self.layers[layer]
+        L.pend_k.append(k)
+        L.pend_v.append(v)
+        KV, T = self.config.n_kv_heads, q.shape[1]
+        q_rot = self.rope.apply(q, self._positions, self._q_cos_sin)
+        pos_q = self._positions
+        keys, values, biases = [], [], []
+
+        if self.exact_pos.length:
+            keys.append(self._rope(L.exact_k.view(), self.exact_pos.view()))
+            values.append(L.exact_v.view().float())
+            biases.append(torch.zeros(KV, 1, self.exact_pos.length))
+
+        pend_pos = self.pend_pos.view()
+        keys.append(self._rope(L.pend_k.view(), pend_pos))
+        values.append(L.pend_v.view().float())
+        causal = torch.where(pend_pos[None, :] <= pos_q[:, None], 0.0, float("-inf"))  # [T, P]
+        biases.append(causal[None].expand(KV, T, -1))
+
+        n_spans = self.span_len.length
+        if n_spans:
+            lengths = self.span_len.view()
+            centers = self.span_pos.view() + lengths // 2
+            sum_k = self._rope(L.sum_k.view(), centers)  # [KV, S, D]
+            log_len = lengths.float().log()
+            span_bias = log_len[None, None, :].expand(KV, 1, n_spans)
+            k_zoom = min(self.cfg.zoom_k, n_spans)
+            if k_zoom:
+                chosen = self._route(layer, q, q_rot, sum_k, L, log_len, k_zoom)  # [KV, k], -1 = unused
+                valid = chosen >= 0
+                chosen_c = chosen.clamp_min(0)
+                zoomed = torch.zeros(KV, n_spans, dtype=torch.long).scatter_add_(1, chosen_c, valid.long()) > 0
+                span_bias = torch.where(zoomed[:, None, :], float("-inf"), span_bias)  # expanded: coarse row out
+                zk, zv, zpos, zbias = self._rebuild(L, chosen_c, valid)
+                self._note_peak(extra=storage_bytes(zk, zv))
+                keys.append(self._rope(zk, zpos))
+                values.append(zv)
+                biases.append(zbias[:, None, :])
+                self._zoom_events.append((layer, chosen))
+            keys.append(sum_k)
+            values.append(L.sum_v.view().float())
+            biases.append(span_bias)
+
+        key_all = torch.cat(keys, dim=1)
+        value_all = torch.cat(values, dim=1)
+        bias = torch.cat([b.expand(KV, T, -1) for b in biases], dim=2)
+        return gqa_attention(q_rot, key_all, value_all, bias=bias)
+
+    def _route(self, layer: int, q: torch.Tensor, q_rot: torch.Tensor, sum_k_rot: torch.Tensor, L: _Layer,
+               log_len: torch.Tensor, k_zoom: int) -> torch.Tensor:
+        """Spans to rebuild per KV head [KV, k] (-1 where fewer pass the threshold)."""
+        H, KV = q.shape[0], self.config.n_kv_heads
+        G = H // KV
+        if self.cfg.router == "attention":
+            logits = q_rot @ sum_k_rot.repeat_interleave(G, dim=0).transpose(1, 2) / math.sqrt(q.shape[-1])
+            score = (logits + log_len).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))  # [KV, S]
+            return torch.topk(score, k_zoom, dim=-1).indices
+        logits = self.router.relevance_logits(layer, q, L.route_k.view(), log_len)  # [H, T, S]
+        passed = logits > self.router.thresholds(layer)[:, None, None]
+        score = torch.where(passed, logits, float("-inf")).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))
+        top = torch.topk(score, k_zoom, dim=-1)
+        return torch.where(torch.isfinite(top.values), top.indices, -1)
+
+    def _rebuild(self, L: _Layer, chosen: torch.Tensor, valid: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of the chosen spans from their factors: K, V [KV, k*pad, D], positions [KV, k*pad],
+        bias [KV, k*pad] (0 for real rows, -inf for padding and unused slots)."""
+        KV, k = chosen.shape
+        pad = int(self.span_len.view().max())
+        heads = torch.arange(KV).repeat_interleave(k)
+        spans = chosen.reshape(-1).cpu()
+        lengths = self.span_len.view()
+        zk = L.fac_k.rebuild(heads, spans, lengths, pad).to(self.device).view(KV, k * pad, -1)
+        zv = L.fac_v.rebuild(heads, spans, lengths, pad).to(self.device).view(KV, k * pad, -1)
+        t = torch.arange(pad, device=self.device)
+        span_start = self.span_pos.view()[chosen]  # [KV, k]
+        zpos = (span_start[..., None] + t).view(KV, k * pad)
+        ok = (t[None, None, :] < lengths[chosen][..., None]) & valid[..., None]
+        zbias = torch.where(ok, 0.0, float("-inf")).view(KV, k * pad)
+        return zk, zv, zpos, zbias
+
+    # -- after each chunk: surprisal, then compress what left the recent window -------------------
+    def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
+        T = int(token_ids.shape[0])
+        surprisal = torch.zeros(T)
+        if logits is not None:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            if self._prev_logprobs is not None:
+                surprisal[0] = -self._prev_logprobs[token_ids[0]]
+            if logprobs.shape[0] == T and T > 1:
+                surprisal[1:] = -logprobs[:-1].gather(1, token_ids[1:, None])[:, 0].cpu()
+            self._prev_logprobs = logprobs[-1]
+        self.pend_surprisal.append(surprisal.to(self.device))
+        self.n_tokens += T
+        self._note_peak()
+        if self.pend_pos.length - self.recent >= self.l_max:
+            self._compress()
+        self._note_peak()
+
+    def _compress(self) -> None:
+        region = self.pend_pos.length - self.recent
+        if region <= 0:
+            return
+        pos = self.pend_pos.view()[:region]
+        surprisal = self.pend_surprisal.view()[:region]
+        forced = int((pos < self.cfg.n_sink).sum())
+        self.stats.update(surprisal[forced:])
+        threshold = self.stats.mean + self.cfg.alpha * self.stats.std
+        self._adapt_span_length(region)
+        seg = segment(surprisal, threshold, self.l_min, self.l_max, self._anchor_quota(region), forced_anchors=forced)
+        if seg.consumed == 0:
+            return
+        t = torch.arange(self.l_max, device=self.device)
+        idx = (seg.span_start[:, None] + t[None, :]).clamp(max=region - 1)  # [S, l_max]
+        in_span = t[None, :] < seg.span_len[:, None]
+        weights = torch.where(in_span, surprisal[idx].clamp_min(0) + 1e-3, 0.0)
+        weights = weights / weights.sum(dim=1, keepdim=True)  # surprisal-weighted mean
+        for layer_no, layer in enumerate(self.layers):
+            for rows, summary, store in ((layer.pend_k, layer.sum_k, layer.fac_k),
+                                         (layer.pend_v, layer.sum_v, layer.fac_v)):
+                x = rows.view()[:, :region].float()
+                padded = torch.where(in_span[None, :, :, None], x[:, idx], 0.0)  # [KV, S, l_max, D]
+                mean = torch.einsum("ksld,sl->ksd", padded, weights)
+                summary.append(mean)
+                store.add(padded.transpose(0, 1), seg.span_len, self.cfg.energy, self.cfg.max_rank)
+                if rows is layer.pend_k:
+                    layer.route_k.append(self.router.routing_keys(layer_no, mean).detach())
+            layer.exact_k.append(layer.pend_k.view()[:, seg.anchors])
+            layer.exact_v.append(layer.pend_v.view()[:, seg.anchors])
+            layer.pend_k.drop_front(seg.consumed)
+            layer.pend_v.drop_front(seg.consumed)
+        self.exact_pos.append(pos[seg.anchors])
+        self.span_pos.append(pos[seg.span_start])
+        self.span_len.append(seg.span_len)
+        self.pend_pos.drop_front(seg.consumed)
+        self.pend_surprisal.drop_front(seg.consumed)
+
+    def _remaining_tokens(self, region: int) -> int:
+        done = self.n_tokens - self.pend_pos.length
+        return max(self.planned_tokens - done, region)
+
+    def _adapt_span_length(self, region: int) -> None:
+        """Raise the minimum span length while the worst case of the remaining summaries (every new
+        span l_min long) would not fit the budget next to what is already held."""
+        held = self.span_len.length * self.span_bytes + self.exact_pos.length * self.token_bytes
+        while self.l_min < self.l_max // 2:
+            worst = math.ceil(self._remaining_tokens(region) / self.l_min) * self.span_bytes
+            if self.fixed_bytes + held + worst <= self.budget_bytes:
+                return
+            self.l_min *= 2
+
+    def _anchor_quota(self, region: int) -> int:
+        """Anchors this region may keep: the exact bytes left after fixed costs and the projected span
+        summaries, spread evenly over the tokens still to come."""
+        remaining = self._remaining_tokens(region)
+        mean_len = float(self.span_len.view().float().mean()) if self.span_len.length else (self.l_min + self.l_max) / 2
+        projected_spans = self.span_len.length + remaining / max(mean_len, 1.0)
+        free = self.budget_bytes - self.fixed_bytes - projected_spans * self.span_bytes \
+            - self.exact_pos.length * self.token_bytes
+        allowed = free / self.token_bytes * region / remaining
+        return int(max(0.0, min(allowed, self.cfg.anchor_fraction * region)))
+
+    def finish_prefill(self) -> None:
+        """Fold whatever left the recent window so the device tier is back to steady state."""
+        if self.pend_pos.length > self.recent:
+            self._compress()
+
+    # -- rollback ----------------------------------------------------------------------------------
+    def mark(self) -> dict[str, Any]:
+        return {
+            "n_tokens": self.n_tokens, "stats": self.stats.copy(),
+            "prev": None if self._prev_logprobs is None else self._prev_logprobs.clone(),
+            "exact": self.exact_pos.length, "spans": self.span_len.length,
+            "pend_pos": self.pend_pos.view().clone(), "pend_s": self.pend_surprisal.view().clone(),
+            "pend": [(l.pend_k.view().clone(), l.pend_v.view().clone()) for l in self.layers],
+        }
+
+    def rollback(self, mark: dict[str, Any]) -> None:
+        self.n_tokens, self.stats, self._prev_logprobs = mark["n_tokens"], mark["stats"].copy(), mark["prev"]
+        for buf in (self.exact_pos,):
+            buf.truncate(mark["exact"])
+        for buf in (self.span_pos, self.span_len):
+            buf.truncate(mark["spans"])
+        self.pend_pos.truncate(0)
+        self.pend_pos.append(mark["pend_pos"])
+        self.pend_surprisal.truncate(0)
+        self.pend_surprisal.append(mark["pend_s"])
+        for layer, (pk, pv) in zip(self.layers, mark["pend"]):
+            layer.exact_k.truncate(mark["exact"])
+            layer.exact_v.truncate(mark["exact"])
+            for buf in (layer.sum_k, layer.sum_v, layer.route_k):
+                buf.truncate(mark["spans"])
+            layer.fac_k.truncate(mark["spans"])
+            layer.fac_v.truncate(mark["spans"])
+            layer.pend_k.truncate(0)
+            layer.pend_k.append(pk)
+            layer.pend_v.truncate(0)
+            layer.pend_v.append(pv)
+
+    # -- accounting & observability ----------------------------------------------------------------
+    def device_tensors(self, layer: int) -> list[torch.Tensor]:
+        L = self.layers[layer]
+        tensors = [L.exact_k.data, L.exact_v.data, L.pend_k.data, L.pend_v.data, L.sum_k.data, L.sum_v.data,
+                   L.route_k.data]
+        if layer == 0:
+            tensors += [self.exact_pos.data, self.pend_pos.data, self.pend_surprisal.data, self.span_pos.data,
+                        self.span_len.data]
+        return tensors
+
+    def host_tensors(self, layer: int) -> list[torch.Tensor]:
+        L = self.layers[layer]
+        return L.fac_k.tensors() + L.fac_v.tensors()
+
+    def reset_observations(self) -> None:
+        self._zoom_events.clear()
+
+    def observations(self) -> dict[str, Any]:
+        """Zoomed spans since the last reset: per span, how many (layer, KV head, step) picked it."""
+        n_spans = self.span_len.length
+        out: dict[str, Any] = {"spans": n_spans, "exact_tokens": self.exact_pos.length,
+                               "pending_tokens": self.pend_pos.length, "zoomed": []}
+        if not self._zoom_events or not n_spans:
+            return out
+        layers = torch.cat([torch.full((ev.numel(),), l) for l, ev in self._zoom_events])
+        heads = torch.cat([torch.arange(ev.shape[0]).repeat_interleave(ev.shape[1]) for _, ev in self._zoom_events])
+        spans = torch.cat([ev.reshape(-1) for _, ev in self._zoom_events])
+        ok = (spans >= 0) & (spans < n_spans)
+        counts = torch.bincount(spans[ok], minlength=n_spans)
+        per_layer = torch.zeros(self.config.n_layers, n_spans, dtype=torch.long)
+        per_layer.index_put_((layers[ok], spans[ok]), torch.ones_like(spans[ok]), accumulate=True)
+        hit = torch.nonzero(counts).flatten()
+        starts, lengths = self.span_pos.view()[hit].tolist(), self.span_len.view()[hit].tolist()
+        for s, start, length, count in zip(hit.tolist(), starts, lengths, counts[hit].tolist()):
+            layers_hit = torch.nonzero(per_layer[:, s]).flatten().tolist()
+            out["zoomed"].append({"span": s, "start": start, "length": length, "hits": count,
+                                  "layers": layers_hit})
+        return out
+
+
+@register_policy("sekv")
+def _make(**kwargs: Any) -> SekvCache:
+    return SekvCache(**kwargs)

@@ -1,0 +1,65 @@
+"""SeKV's router: routing projections, per-layer/per-head zoom thresholds (trainable, < 0.1% of params).
+
+Untrained default ("identity-like"): both projections select the d' head dimensions whose RoPE
+frequency is lowest. Pre-RoPE keys/queries barely rotate in those dimensions, so the dot product of
+pre-RoPE vectors there approximates the position-dependent attention logit without positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..models.config import ModelConfig
+from .config import SekvConfig
+
+
+def low_frequency_dims(config: ModelConfig, count: int) -> torch.Tensor:
+    """Indices of the `count` head dims with the slowest RoPE rotation (unrotated dims first)."""
+    D, rd = config.head_dim, config.rope_dim
+    freq = torch.zeros(D, dtype=torch.float64)
+    pair_freq = config.rope_base ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    if config.rope_interleaved:
+        freq[:rd] = pair_freq.repeat_interleave(2)
+    else:
+        freq[:rd] = torch.cat([pair_freq, pair_freq])
+    order = torch.sort(freq, stable=True).indices
+    return torch.sort(order[:count]).values
+
+
+class Router(nn.Module):
+    """Parameters: q_proj [L, H, D, d'], k_proj [L, KV, D, d'], threshold_logit [L, H]."""
+
+    def __init__(self, config: ModelConfig, sekv: SekvConfig) -> None:
+        super().__init__()
+        L, H, KV, D = config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim
+        dp = min(sekv.routing_dim, D)
+        select = torch.zeros(D, dp)
+        select[low_frequency_dims(config, dp), torch.arange(dp)] = 1.0
+        self.routing_dim = dp
+        self.q_proj = nn.Parameter(select.expand(L, H, D, dp).clone())
+        self.k_proj = nn.Parameter(select.expand(L, KV, D, dp).clone())
+        logit = math.log(sekv.threshold / (1 - sekv.threshold))
+        self.threshold_logit = nn.Parameter(torch.full((L, H), logit))
+        self.trained = False
+
+    def routing_keys(self, layer: int, summary_k: torch.Tensor) -> torch.Tensor:
+        """summary_k [KV, S, D] (pre-RoPE) -> unit-norm routing keys [KV, S, d']."""
+        keys = torch.einsum("ksd,kdr->ksr", summary_k.float(), self.k_proj[layer])
+        return torch.nn.functional.normalize(keys, dim=-1)
+
+    def relevance_logits(self, layer: int, q: torch.Tensor, routing_keys: torch.Tensor,
+                         log_len: torch.Tensor) -> torch.Tensor:
+        """q [H, T, D] pre-RoPE, routing_keys [KV, S, d'], log_len [S] -> logits [H, T, S] of
+        sigmoid(q'.k'/sqrt(d') + log|S|)."""
+        H = q.shape[0]
+        KV = routing_keys.shape[0]
+        qp = torch.einsum("htd,hdr->htr", q.float(), self.q_proj[layer])
+        keys = routing_keys.float().repeat_interleave(H // KV, dim=0)
+        return qp @ keys.transpose(1, 2) / math.sqrt(self.routing_dim) + log_len
+
+    def thresholds(self, layer: int) -> torch.Tensor:
+        """Per-head zoom thresholds as logits [H] (compare with relevance logits)."""
+        return self.threshold_logit[layer]

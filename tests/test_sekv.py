@@ -1,0 +1,134 @@
+"""SeKV mechanics: exactness when nothing is lost, budget accounting, rollback, refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sekv_local.cache import create_policy
+from sekv_local.errors import BudgetError
+from sekv_local.models.config import ModelConfig
+from sekv_local.models.rope import Rope
+from sekv_local.sekv.factors import FactorStore
+from sekv_local.sekv.segmentation import RunningStats, segment
+
+CFG = ModelConfig(architecture="llama", n_layers=2, n_embd=64, n_ff=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                  vocab_size=50, context_length=4096, rms_eps=1e-5, rope_base=10000.0, rope_dim=16, rope_scale=1.0,
+                  rope_interleaved=True)
+
+
+def run(policy, n_tokens: int, chunk: int, seed: int = 0) -> list[torch.Tensor]:
+    """Feed random pre-RoPE q/k/v (same stream for any policy) and return the layer-1 outputs."""
+    outs = []
+    gen = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        for start in range(0, n_tokens, chunk):
+            T = min(chunk, n_tokens - start)
+            policy.begin_chunk(torch.arange(start, start + T), True)
+            for layer in range(CFG.n_layers):
+                q = torch.randn(4, T, 16, generator=gen)
+                k = torch.randn(2, T, 16, generator=gen)
+                v = torch.randn(2, T, 16, generator=gen)
+                out = policy.attend(layer, q, k, v)
+            policy.end_chunk(torch.randn(T, 50, generator=gen) * 3, torch.randint(0, 50, (T,), generator=gen))
+            outs.append(out)
+    return outs
+
+
+def test_mixed_attention_is_exact_when_every_span_is_rebuilt_at_full_rank() -> None:
+    rope = Rope(CFG)
+    full = create_policy("full", CFG, rope, dtype="f32")
+    sekv = create_policy("sekv", CFG, rope, budget=10 ** 9, zoom_k=200, energy=1.0, max_rank=64, dtype="f32",
+                         recent=16, l_min=4, l_max=8, anchor_fraction=0.2, n_sink=2)
+    sekv.reserve(600)
+    expected, got = run(full, 600, 64), run(sekv, 600, 64)
+    assert sekv.span_len.length > 50 and sekv.exact_pos.length > 2  # spans and anchors really exist
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_coarse_rows_stand_in_for_unexpanded_spans() -> None:
+    """With zoom off, a span of identical keys/values is represented exactly by its summary with
+    +log|S|: the softmax mass of |S| equal logits is |S| * exp(logit)."""
+    rope = Rope(CFG)
+    sekv = create_policy("sekv", CFG, rope, budget=10 ** 9, zoom_k=0, dtype="f32", recent=8, l_min=4, l_max=8, n_sink=0,
+                         anchor_fraction=0.0)
+    assert sekv.zoom_pool_bytes() == 0
+    out = run(sekv, 200, 50)
+    assert all(torch.isfinite(o).all() for o in out) and sekv.span_len.length > 0
+
+
+def test_device_tier_stays_within_budget_during_prefill_and_decode() -> None:
+    rope = Rope(CFG)
+    n = 3000
+    sekv = create_policy("sekv", CFG, rope, budget=0.3, l_min=4, l_max=32, recent=32, zoom_k=4)
+    sekv.reserve(n)
+    run(sekv, n, sekv.max_chunk_tokens())
+    with torch.inference_mode():
+        sekv.begin_chunk(torch.arange(n, n + 1), False)  # a decode step rebuilds zoomed spans
+        for layer in range(CFG.n_layers):
+            sekv.attend(layer, torch.randn(4, 1, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16))
+        sekv.end_chunk(torch.randn(1, 50), torch.tensor([3]))
+    report = sekv.memory()
+    limit = 0.3 * CFG.full_kv_bytes(n)
+    assert report.device_peak_bytes <= limit, (report.device_peak_bytes, limit)
+    assert report.device_peak_bytes > report.device_bytes  # the zoom working set was counted
+    assert report.host_bytes > 0 and report.device_bytes < limit
+
+
+def test_rollback_restores_the_document_state() -> None:
+    rope = Rope(CFG)
+    sekv = create_policy("sekv", CFG, rope, budget=10 ** 7, l_min=4, l_max=16, recent=16, zoom_k=4)
+    sekv.reserve(400)
+    run(sekv, 400, 100)
+    mark = sekv.mark()
+    before = (sekv.span_len.length, sekv.exact_pos.length, sekv.pend_pos.length, sekv.memory().host_bytes)
+    run(sekv, 300, 60, seed=1)  # a "conversation" that gets folded into spans
+    assert sekv.span_len.length > before[0]
+    with torch.inference_mode():
+        sekv.rollback(mark)
+    assert (sekv.span_len.length, sekv.exact_pos.length, sekv.pend_pos.length) == before[:3]
+    assert sekv.layers[0].fac_k.n_spans == before[0]
+
+
+def test_impossible_budget_is_refused_with_numbers() -> None:
+    with pytest.raises(BudgetError, match="cannot hold even the minimum.*Use a budget of at least"):
+        create_policy("sekv", CFG, Rope(CFG), budget=0.01).reserve(4000)
+
+
+def test_factor_store_is_exact_at_full_rank_and_never_larger_than_raw() -> None:
+    torch.manual_seed(0)
+    lengths = torch.tensor([4, 10, 32, 17])
+    x = torch.zeros(4, 2, 32, 16)
+    for s, n in enumerate(lengths.tolist()):
+        x[s, :, :n] = torch.randn(2, n, 2) @ torch.randn(2, 2, 16)  # rank 2
+    x[1, :, :10] = torch.randn(2, 10, 16)  # full rank: stored raw
+    store = FactorStore(2, 16, torch.float32)
+    ranks = store.add(x, lengths, energy=0.9999, max_rank=32)
+    assert ranks.tolist() == [2, 10, 2, 2] and store.raw.view().tolist() == [False, True, False, False]
+    heads, spans = torch.tensor([0, 1, 1, 0]), torch.tensor([0, 1, 2, 3])
+    torch.testing.assert_close(store.rebuild(heads, spans, lengths, 32), x[spans, heads], atol=1e-5, rtol=1e-4)
+    assert store.u.length + store.w.length <= int((lengths * 2 * 16).sum())
+
+
+def test_segmentation_covers_every_token_once() -> None:
+    torch.manual_seed(0)
+    s = torch.rand(300) * 3
+    s[[10, 12, 50, 51, 90, 150, 155, 240]] = 9.0
+    seg = segment(s, 5.0, 4, 32, anchor_quota=2, forced_anchors=4)
+    cover = torch.zeros(300, dtype=torch.long)
+    for start, length in zip(seg.span_start.tolist(), seg.span_len.tolist()):
+        cover[start: start + length] += 1
+        assert 4 <= length <= 32
+    cover[seg.anchors] += 1
+    assert cover[: seg.consumed].eq(1).all() and cover[seg.consumed:].eq(0).all()
+    assert set(seg.anchors.tolist()) >= {0, 1, 2, 3} and len(seg.anchors) == 6
+
+
+def test_running_stats_match_batch_statistics() -> None:
+    values = torch.randn(1000, dtype=torch.float64) * 2 + 5
+    stats = RunningStats()
+    for part in values.split(137):
+        stats.update(part)
+    assert abs(stats.mean - float(values.mean())) < 1e-9
+    assert abs(stats.std - float(values.std(unbiased=False))) < 1e-9
