@@ -57,6 +57,9 @@ def session_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--temperature", type=click.FloatRange(0, 5), default=0.0, show_default=True,
                      help="0 = greedy."),
         click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed."),
+        click.option("--memory", "memory_file", type=click.Path(path_type=Path),
+                     help="Saved memory of FILE: loaded instantly when it exists (method and budget come from it), "
+                          "written after reading FILE otherwise."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -68,6 +71,23 @@ def _settings(kw: dict[str, Any]) -> SessionSettings:
         model=kw["model"], engine=kw["engine"], method=kw["method"], budget=kw["budget"], threads=kw["threads"],
         chunk_size=kw["chunk_size"], device=kw["device"], max_new_tokens=kw["max_new_tokens"],
         sampling=SamplingConfig(temperature=kw["temperature"], seed=kw["seed"]))
+
+
+def _open_session(file: Path, kw: dict[str, Any], quiet: bool) -> Session:
+    """Load the saved memory when --memory names an existing file; otherwise read FILE (and save it)."""
+    memory: Path | None = kw.get("memory_file")
+    if memory is not None and memory.exists():
+        session = Session.load(memory, file, _settings(kw), show_progress=not quiet)
+        if not quiet:
+            click.echo(f"loaded saved memory {memory} ({session.settings.method})", err=True)
+        return session
+    session = Session.create(file, _settings(kw), show_progress=not quiet)
+    _ingest_with_bar(session, quiet)
+    if memory is not None:
+        session.save(memory)
+        if not quiet:
+            click.echo(f"saved memory to {memory}", err=True)
+    return session
 
 
 def _ingest_with_bar(session: Session, quiet: bool) -> None:
@@ -141,8 +161,7 @@ def methods() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (answer, memory, timings).")
 def ask(file: Path, question: str, as_json: bool, **kw: Any) -> None:
     """Answer one QUESTION about FILE (.txt / .md)."""
-    session = Session.create(file, _settings(kw), show_progress=not as_json)
-    _ingest_with_bar(session, quiet=as_json)
+    session = _open_session(file, kw, quiet=as_json)
     if as_json:
         answer = session.answer(question)
         out = {"document": str(file), "document_tokens": session.document_tokens, "model": session.settings.model,
@@ -158,12 +177,35 @@ def ask(file: Path, question: str, as_json: bool, **kw: Any) -> None:
 @cli.command()
 @click.argument("file", type=click.Path(path_type=Path))
 @session_options
-def chat(file: Path, **kw: Any) -> None:
-    """Chat about FILE. Type a question per line; /reset forgets the conversation, /quit leaves.
-    Questions can also be piped on stdin, one per line."""
+@click.option("--no-tui", is_flag=True, help="Line-based REPL even when stdin is a terminal.")
+def chat(file: Path, no_tui: bool, **kw: Any) -> None:
+    """Chat about FILE (.txt, .md; .html, .pdf, .epub with the `readers` extra). In a terminal this
+    opens the app (F1 lists its keys and commands); with --no-tui or piped stdin it is a REPL: type
+    a question per line; /reset forgets the conversation, /quit leaves. Defaults for the options come
+    from the config file (see sekv_local/config_file.py) when one exists; flags win over it."""
+    from .config_file import ConfigError, config_path, load_config
+    from .readers import read_any
+
+    config = load_config()
+    ctx = click.get_current_context()
+    for key, value in config.items():
+        if key in kw and ctx.get_parameter_source(key) in (click.core.ParameterSource.DEFAULT, None):
+            if key == "budget":
+                try:
+                    value = _parse_budget(ctx, None, str(value))  # type: ignore[arg-type]
+                except click.BadParameter as exc:
+                    raise ConfigError(f"config file {config_path()}: {exc.message}") from None
+            kw[key] = value
+    document = read_any(file)
+    if not no_tui and sys.stdin.isatty() and sys.stdout.isatty():
+        from .tui import run_app
+
+        memory_dir = Path(config["memory_dir"]).expanduser() if "memory_dir" in config else None
+        run_app(document, _settings(kw), memory_file=kw.get("memory_file"), memory_dir=memory_dir)
+        return
+    file = document  # type: ignore[assignment]  # Session.create/load take a Document as well as a path
     interactive = sys.stdin.isatty()
-    session = Session.create(file, _settings(kw))
-    _ingest_with_bar(session, quiet=False)
+    session = _open_session(file, kw, quiet=False)
     click.echo(f"{session.document.name}: {session.document_tokens} tokens read in {session.ingest_s:.1f} s. "
                "Ask a question (/reset, /quit).", err=True)
     while True:
@@ -211,6 +253,8 @@ def chat(file: Path, **kw: Any) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True,
               help="Results folder (resumable: finished cells are skipped).")
 @click.option("--quick", is_flag=True, help="Smoke preset: 2 samples, 1k, niah_single (overrides those options).")
+@click.option("--option", multiple=True, metavar="METHOD:KEY=VALUE",
+              help="A method setting, e.g. sekv:zoom_k=32 (repeatable).")
 def bench(**kw: Any) -> None:
     """Run a task grid (methods x budgets x tasks x lengths x samples) and write results.json,
     summary.md and plots."""

@@ -83,6 +83,8 @@ class Session:
         self.turns: list[Turn] = []
         self.answers: list[Answer] = []
         self.document_tokens = 0
+        self._prefix_tokens = 0
+        self._doc_ids: list[int] | None = None
         self.ingest_s = 0.0
         self._after_document: Any = None
 
@@ -123,11 +125,61 @@ class Session:
         self.engine.finish_prefill()
         self.ingest_s = time.perf_counter() - start
         self.document_tokens = len(doc_ids)
+        self._prefix_tokens = len(prefix)
         self._after_document = self.engine.mark()
 
     @property
     def ingested(self) -> bool:
         return self._after_document is not None
+
+    # -- persistence ---------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Save the document's memory (safetensors + JSON header, atomic). The conversation is not
+        part of it: it is cleared first, so the file reopens to the state right after reading."""
+        from .persistence import file_sha256, save_memory
+
+        if not self.ingested:
+            raise SekvError("nothing to save: no document ingested yet")
+        self.reset_conversation()
+        tensors, engine_meta = self.engine.export_state()
+        s = self.settings
+        header = {
+            "model": {"name": s.model, "file_sha256": file_sha256(self.model_path),
+                      "architecture": self.engine.config.architecture, "n_layers": self.engine.config.n_layers,
+                      "n_kv_heads": self.engine.config.n_kv_heads, "head_dim": self.engine.config.head_dim},
+            "engine": s.engine, "method": s.method, "budget": s.budget, "method_options": dict(s.method_options),
+            "document": {"name": self.document.name, "sha256": self.document.sha256, "tokens": self.document_tokens},
+            "ingest_s": self.ingest_s, "state": engine_meta,
+        }
+        save_memory(path, tensors, header)
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, document: Document | str | Path, settings: SessionSettings = SessionSettings(),
+             show_progress: bool = True, tokenizer: Tokenizer | None = None) -> "Session":
+        """Reopen a saved memory for `document`. Method, budget and method options come from the file;
+        a file built from another model file or another version of the document is refused."""
+        from .persistence import MemoryFileError, file_sha256, load_memory, read_header
+
+        header = read_header(path)
+        doc = document if isinstance(document, Document) else read_document(document)
+        if header["document"]["sha256"] != doc.sha256:
+            raise MemoryFileError(f"{path} was built from a different document than {doc.name} "
+                                  f"(or the document changed since); read it again instead")
+        settings = SessionSettings(**{**settings.__dict__, "method": header["method"], "budget": header["budget"],
+                                      "method_options": tuple(sorted(header["method_options"].items())),
+                                      "engine": header["engine"]})
+        session = cls.create(doc, settings, show_progress=show_progress, tokenizer=tokenizer)
+        if header["model"]["file_sha256"] != file_sha256(session.model_path):
+            raise MemoryFileError(f"{path} was built with another model file ({header['model']['name']}); "
+                                  f"it cannot be used with {session.settings.model}")
+        tensors, header = load_memory(path)
+        session.engine.import_state(tensors, header["state"])
+        session.document_tokens = int(header["document"]["tokens"])
+        session._prefix_tokens = len(session.prompt.document_tokens("")[0])
+        session.ingest_s = float(header.get("ingest_s", 0.0))
+        session._after_document = session.engine.mark()
+        return session
 
     # -- conversation ----------------------------------------------------------------------------
     def reset_conversation(self) -> None:
@@ -178,9 +230,27 @@ class Session:
             self.answers.append(Answer(
                 question=question, text=text, n_tokens=n, prompt_tokens=len(ids),
                 prefill_s=self.engine.stats.prefill_s - p0, decode_s=self.engine.stats.decode_s - d0,
-                memory=self.engine.memory().as_dict(), observations=self.engine.observations()))
+                memory=self.engine.memory().as_dict(), observations=self._located(self.engine.observations())))
             if not keep_history:
                 self.reset_conversation()
+
+    def passage(self, start_token: int, n_tokens: int) -> str:
+        """Document text of tokens [start, start + n) (token offsets within the document)."""
+        if self._doc_ids is None:
+            self._doc_ids = self.prompt.document_tokens(self.document.text)[1]
+        return self.tokenizer.decode(self._doc_ids[max(0, start_token): max(0, start_token + n_tokens)])
+
+    def _located(self, observations: dict[str, Any]) -> dict[str, Any]:
+        """Add document token offsets (and the text) to zoomed spans that lie in the document."""
+        zoomed = observations.get("zoomed")
+        if not zoomed:
+            return observations
+        located = []
+        for z in zoomed:
+            offset = z["start"] - self._prefix_tokens
+            if 0 <= offset < self.document_tokens:
+                located.append({**z, "doc_token": offset, "text": self.passage(offset, z["length"])})
+        return {**observations, "zoomed": sorted(located, key=lambda z: -z["hits"])}
 
     def answer(self, question: str, **kwargs: Any) -> Answer:
         """Non-streaming `ask`: the finished Answer."""

@@ -132,3 +132,52 @@ def test_running_stats_match_batch_statistics() -> None:
         stats.update(part)
     assert abs(stats.mean - float(values.mean())) < 1e-9
     assert abs(stats.std - float(values.std(unbiased=False))) < 1e-9
+
+
+def test_streaming_keeps_sinks_and_window_within_budget() -> None:
+    rope = Rope(CFG)
+    n = 3000
+    stream = create_policy("streaming", CFG, rope, budget=0.25)
+    stream.reserve(n)
+    run(stream, n, stream.max_chunk_tokens())
+    report = stream.memory()
+    assert report.device_peak_bytes <= 0.25 * CFG.full_kv_bytes(n)
+    kept = stream.pos[stream.pos >= 0]
+    assert set(range(4)) <= set(kept.tolist())  # sinks
+    window = kept[kept >= 4]
+    assert window.max() == n - 1 and len(window) == stream.capacity - 4  # the most recent tokens
+    assert torch.equal(torch.sort(window).values, torch.arange(n - len(window), n))
+
+
+def test_streaming_equals_full_kv_while_everything_fits() -> None:
+    rope = Rope(CFG)
+    full = create_policy("full", CFG, rope, dtype="f32")
+    stream = create_policy("streaming", CFG, rope, budget=10 ** 8, dtype="f32")
+    stream.reserve(500)
+    for a, b in zip(run(full, 500, 100), run(stream, 500, 100)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_bounded_positions_keep_every_distance_inside_the_trained_window() -> None:
+    import dataclasses
+
+    short = dataclasses.replace(CFG, context_length=256)
+    rope = Rope(short)
+    sekv = create_policy("sekv", short, rope, budget=10 ** 8, l_min=4, l_max=16, recent=32, zoom_k=4,
+                         positions="bounded")
+    assert sekv.max_tokens() is None
+    original = create_policy("sekv", short, rope, budget=10 ** 8, positions="original")
+    assert original.max_tokens() == 256
+    sekv.reserve(1000)
+    query_positions = []
+    begin = sekv.begin_chunk
+
+    def checked_begin(positions, is_prefill):
+        begin(positions, is_prefill)
+        query_positions.append(int(positions.max()) - sekv._shift)  # where RoPE puts the newest query
+
+    sekv.begin_chunk = checked_begin
+    outs = run(sekv, 1000, 64)
+    assert sekv._shift > 0 and all(torch.isfinite(o).all() for o in outs)
+    # every query (hence every query-key distance: keys are clamped at >= 0) stays inside the window
+    assert max(query_positions) < 256 and sekv.span_len.length > 10

@@ -139,6 +139,15 @@ class CachePolicy(ABC):
     def rollback(self, mark: Any) -> None:
         """Forget everything added after `mark` (used to ask independent questions on one document)."""
 
+    # -- persistence -------------------------------------------------------------------------------
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to continue from here: tensors (saved with safetensors) and JSON metadata."""
+        raise SekvError(f"method '{self.name}' cannot save its memory yet")
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Inverse of export_state on a freshly created policy with the same config."""
+        raise SekvError(f"method '{self.name}' cannot load a saved memory")
+
     # -- accounting ------------------------------------------------------------------------------
     @abstractmethod
     def device_tensors(self, layer: int) -> list[torch.Tensor]:

@@ -107,6 +107,23 @@ class FullCache(CachePolicy):
         for store in self.layers:
             store.truncate(mark[1])
 
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {}
+        for i, store in enumerate(self.layers):
+            tensors[f"L{i}.k"], tensors[f"L{i}.v"] = store.keys(), store.values()
+        return tensors, {"n_tokens": self.n_tokens, "length": self.layers[0].length}
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        length = int(meta["length"])
+        c = self.config
+        for i, store in enumerate(self.layers):
+            k, v = tensors[f"L{i}.k"], tensors[f"L{i}.v"]
+            if k.shape != (c.n_kv_heads, length, c.head_dim) or v.shape != k.shape:
+                raise ValueError(f"layer {i}: K/V of shape {tuple(k.shape)} do not fit the model")
+            store.truncate(0)
+            store.append(k, v)
+        self.n_tokens = int(meta["n_tokens"])
+
     def device_tensors(self, layer: int) -> list[torch.Tensor]:
         store = self.layers[layer]
         return [store.k, store.v]

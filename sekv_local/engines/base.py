@@ -135,6 +135,12 @@ class Engine(ABC):
     def finish_prefill(self) -> None:
         """The document (or a user turn) is complete; compressing methods may act now."""
 
+    def export_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        raise SekvError(f"engine '{self.name}' cannot save a memory (use --engine torch)")
+
+    def import_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+        raise SekvError(f"engine '{self.name}' cannot load a memory (use --engine torch)")
+
     def reserve(self, n_tokens: int) -> None:
         """The context will hold about n_tokens; budgeted methods size themselves for it."""
 

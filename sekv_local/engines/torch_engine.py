@@ -51,7 +51,18 @@ class TorchEngine(Engine):
 
     def _new_policy(self) -> CachePolicy:
         o = self.options
-        return create_policy(o.method, self.config, self.rope, device=self.device, budget=o.budget, **o.method_options)
+        options = dict(o.method_options)
+        if o.method == "sentencekv" and "sentence_end_ids" not in options:
+            options["sentence_end_ids"] = self._sentence_end_ids()
+        return create_policy(o.method, self.config, self.rope, device=self.device, budget=o.budget, **options)
+
+    def _sentence_end_ids(self) -> tuple[int, ...]:
+        """Token ids that end a sentence (computed once per engine; SentenceKV cuts there)."""
+        if not hasattr(self, "_end_ids"):
+            from ..cache.sentencekv import sentence_end_ids_from_tokenizer
+
+            self._end_ids = tuple(sentence_end_ids_from_tokenizer(self.tokenizer))
+        return self._end_ids
 
     def reset(self) -> None:
         self.cache = self._new_policy()
@@ -94,6 +105,26 @@ class TorchEngine(Engine):
     def rollback(self, mark: Any) -> None:
         self.n_tokens, self._last_logits, cache_mark = mark
         self.cache.rollback(cache_mark)
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors, meta = self.cache.export_state()
+        tensors = {f"cache.{k}": v for k, v in tensors.items()}
+        if self._last_logits is not None:
+            tensors["engine.last_logits"] = torch.from_numpy(self._last_logits.copy())
+        return tensors, {"cache": meta, "n_tokens": self.n_tokens}
+
+    @torch.inference_mode()
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.reset()
+        cache = {k[len("cache."):]: v for k, v in tensors.items() if k.startswith("cache.")}
+        try:
+            self.cache.import_state(cache, meta["cache"])
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            self.reset()
+            raise SekvError(f"the saved memory does not fit this model and method: {exc}") from None
+        self.n_tokens = int(meta["n_tokens"])
+        logits = tensors.get("engine.last_logits")
+        self._last_logits = logits.numpy().copy() if logits is not None else None
 
     def memory(self) -> MemoryReport:
         return self.cache.memory()

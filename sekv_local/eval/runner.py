@@ -45,6 +45,7 @@ class BenchConfig:
     chunk_size: int = 1024
     out: str = "runs/bench"
     command: str = ""
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -55,7 +56,8 @@ class BenchConfig:
 
     @classmethod
     def from_cli(cls, tasks: str, lengths: str, samples: int, engines: str, methods_: str, budgets: str, model: str,
-                 seed: int, threads: int | None, chunk_size: int, out: Path, quick: bool, command: str) -> "BenchConfig":
+                 seed: int, threads: int | None, chunk_size: int, out: Path, quick: bool, command: str,
+                 option: tuple[str, ...] = ()) -> "BenchConfig":
         def split(text: str) -> list[str]:
             return [p.strip() for p in text.split(",") if p.strip()]
 
@@ -76,7 +78,7 @@ class BenchConfig:
             budget_list.append(value)
         return cls(tasks=split(tasks), lengths=length_list, samples=samples, engines=split(engines),
                    methods=split(methods_), budgets=budget_list or [None], model=model, seed=seed, threads=threads,
-                   chunk_size=chunk_size, out=str(out), command=command)
+                   chunk_size=chunk_size, out=str(out), command=command, method_options=parse_method_options(option))
 
     def method_budgets(self) -> Iterator[tuple[str, float | None]]:
         for method in self.methods:
@@ -89,8 +91,30 @@ class BenchConfig:
                     yield method, budget
 
 
-def _cell_key(engine: str, method: str, budget: float | None, task: str, length: int, sample: int) -> str:
-    return f"{engine}|{method}|{budget}|{task}|{length}|{sample}"
+def _option_value(text: str) -> Any:
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_method_options(items: tuple[str, ...] | list[str]) -> dict[str, dict[str, Any]]:
+    """["sekv:zoom_k=32", "sekv:energy=0.95"] -> {"sekv": {"zoom_k": 32, "energy": 0.95}}."""
+    options: dict[str, dict[str, Any]] = {}
+    for item in items:
+        method, sep, assignment = item.partition(":")
+        key, eq, value = assignment.partition("=")
+        if not sep or not eq or not method or not key:
+            raise SekvError(f"--option '{item}' must look like METHOD:KEY=VALUE (e.g. sekv:zoom_k=32)")
+        options.setdefault(method.strip(), {})[key.strip()] = _option_value(value.strip())
+    return options
+
+
+def _cell_key(engine: str, method: str, budget: float | None, task: str, length: int, sample: int,
+              options: dict[str, Any] | None = None) -> str:
+    return f"{engine}|{method}|{budget}|{task}|{length}|{sample}|{json.dumps(options or {}, sort_keys=True)}"
 
 
 def _atomic_write_json(path: Path, data: Any) -> None:
@@ -143,8 +167,8 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
             results["records"] = [r for r in previous.get("records", []) if r.get("model") == config.model]
         except (json.JSONDecodeError, OSError):
             print(f"warning: {results_path} is unreadable; starting it afresh", file=sys.stderr)
-    done = {_cell_key(r["engine"], r["method"], r["budget"], r["task"], r["length"], r["sample"])
-            for r in results["records"]}
+    done = {_cell_key(r["engine"], r["method"], r["budget"], r["task"], r["length"], r["sample"],
+                      r.get("method_options")) for r in results["records"]}
 
     model_path = resolve_model(config.model, show_progress=show_progress)
     tokenizer = Tokenizer(model_path)
@@ -161,7 +185,8 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
             for length in config.lengths:
                 for task in config.tasks:
                     for i in range(config.samples):
-                        if _cell_key(engine_name, method, budget, task, length, i) not in done:
+                        if _cell_key(engine_name, method, budget, task, length, i,
+                                     config.method_options.get(method)) not in done:
                             plan.append((engine_name, method, budget, length, task, i))
     bar = tqdm(total=len(plan), desc="bench", unit="sample", disable=not show_progress, file=sys.stderr,
                dynamic_ncols=True)
@@ -169,8 +194,10 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
     engine_key = None
     scores: list[float] = []
     for engine_name, method, budget, length, task, i in plan:
-        options = {"n_ctx": length + 256} if engine_name == "llama.cpp-stock" else {}
-        key = (engine_name, method, budget, length if options else None)
+        options = dict(config.method_options.get(method, {}))
+        if engine_name == "llama.cpp-stock":
+            options["n_ctx"] = length + 256
+        key = (engine_name, method, budget, length if engine_name == "llama.cpp-stock" else None)
         if key != engine_key:
             engine = create_engine(engine_name, model_path, tokenizer, EngineOptions(
                 method=method, budget=budget, threads=config.threads, chunk_size=config.chunk_size,
@@ -181,11 +208,13 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
                                                     tokenizer.count)
         sample = suites[(task, length)][i]
         settings = SessionSettings(model=config.model, engine=engine_name, method=method, budget=budget,
-                                   threads=config.threads, chunk_size=config.chunk_size)
+                                   threads=config.threads, chunk_size=config.chunk_size,
+                                   method_options=tuple(sorted(options.items())))
         started = time.perf_counter()
         records = run_sample(engine, sample, settings, model_path, MAX_NEW_TOKENS.get(task, 32))
         for r in records:
             r.update({"engine": engine_name, "method": method, "budget": budget, "model": config.model,
+                      "method_options": config.method_options.get(method, {}),
                       "length": length, "sample": i, "wall_s": round(time.perf_counter() - started, 3)})
             scores.append(r["score"])
         results["records"].extend(records)

@@ -31,6 +31,11 @@ class FlatBuffer:
     def valid(self) -> torch.Tensor:
         return self.data[: self.length]
 
+    def load(self, values: torch.Tensor) -> None:
+        """Replace the contents (a saved memory)."""
+        self.length = 0
+        self.append(values)
+
 
 class RowBuffer:
     """Rows along dim 1 of a [heads, capacity, width] tensor, grown in steps; `view()` is valid."""
@@ -67,6 +72,13 @@ class RowBuffer:
     def view(self) -> torch.Tensor:
         return self.data[:, : self.length]
 
+    def load(self, rows: torch.Tensor) -> None:
+        """Replace the contents (a saved memory); rows [heads, n, width]."""
+        if rows.dim() != 3 or rows.shape[0] != self.data.shape[0] or rows.shape[2] != self.data.shape[2]:
+            raise ValueError(f"rows of shape {tuple(rows.shape)} do not fit [{self.data.shape[0]}, n, {self.data.shape[2]}]")
+        self.length = 0
+        self.append(rows)
+
 
 class VecBuffer(RowBuffer):
     """A growable 1-D vector (positions, span metadata) on top of RowBuffer."""
@@ -79,3 +91,9 @@ class VecBuffer(RowBuffer):
 
     def view(self) -> torch.Tensor:  # type: ignore[override]
         return self.data[0, : self.length, 0]
+
+    def load(self, values: torch.Tensor) -> None:  # type: ignore[override]
+        if values.dim() != 1:
+            raise ValueError(f"expected a vector, got shape {tuple(values.shape)}")
+        self.length = 0
+        self.append(values)

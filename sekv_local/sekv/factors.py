@@ -111,5 +111,20 @@ class FactorStore:
         for buf in (self.u_off, self.w_off, self.rank, self.raw):
             buf.truncate(n_spans)
 
+    _PARTS = ("u", "w", "u_off", "w_off", "rank", "raw")
+
+    def export_state(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.{name}": (getattr(self, name).valid() if name in ("u", "w") else getattr(self, name).view())
+                for name in self._PARTS}
+
+    def import_state(self, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        for name in self._PARTS:
+            getattr(self, name).load(tensors[f"{prefix}.{name}"])
+        n = self.n_spans
+        if not (self.u_off.length == self.w_off.length == self.raw.length == n):
+            raise ValueError("inconsistent span factor tables")
+        if n and (int(self.u_off.view().max()) > self.u.length or int(self.w_off.view().max()) > self.w.length):
+            raise ValueError("span factor offsets point outside the stored factors")
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.u.data, self.w.data, self.u_off.data, self.w_off.data, self.rank.data, self.raw.data]

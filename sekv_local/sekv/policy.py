@@ -3,8 +3,10 @@
 Per layer the device tier holds: exact tokens (attention sinks and anchors), the pending tokens
 (recent window, the current prefill chunk, question and generated tokens, all exact), and per span
 and KV head a summary key/value and a routing key. Spans' SVD factors sit in host RAM (FactorStore).
-Everything is stored before RoPE; RoPE is applied at attention time with positions chosen by the
-position strategy, so rebuilt spans can be placed anywhere.
+Device rows (exact tokens, pending tokens, span summaries) are kept post-RoPE at their own positions so
+a decode step rotates nothing but the rebuilt rows; host factors are pre-RoPE (keys are far more
+low-rank before RoPE; compression un-rotates them, which is exact since RoPE is orthogonal) and get
+their positions when rebuilt. The "bounded" position strategy re-rotates device rows by the shift.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class SekvCache(CachePolicy):
         self._prev_logprobs: torch.Tensor | None = None
         self._zoom_events: list[tuple[int, torch.Tensor]] = []
         self._shift = 0
+        self._zoom_bytes = 0
         self.planned_tokens = config.context_length
         self._plan()
 
@@ -146,19 +149,31 @@ class SekvCache(CachePolicy):
             # window; keys that would fall before 0 share position 0 (one fixed distance, as InfLLM).
             self._shift = max(0, int(positions.max()) + 1 + _POSITION_MARGIN - self.config.context_length)
         self._q_cos_sin = self.rope.cos_sin(positions - self._shift)
+        self._k_cos_sin = self._q_cos_sin if self._shift == 0 else self.rope.cos_sin(positions)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE on x [..., N, D] (any float dtype -> float32) at positions [N] or [KV, N]."""
+        """RoPE on pre-RoPE x [..., N, D] (any float dtype -> float32) at positions [N] or [KV, N],
+        moved by the position strategy's shift."""
         p = (positions - self._shift).clamp_min(0)
-        cos, sin = self.rope.cos_sin(p.reshape(-1))
-        if p.dim() == 2:
-            cos, sin = cos.view(*p.shape, -1), sin.view(*p.shape, -1)
-        return self.rope.apply(x.float(), p, (cos, sin))
+        return self._rotate(x, p)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope.cos_sin(positions.reshape(-1))
+        if positions.dim() == 2:
+            cos, sin = cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
+        return self.rope.apply(x.float(), positions, (cos, sin))
+
+    def _placed(self, x_post: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Device rows stored post-RoPE at `positions` [N], as attention sees them now (float32)."""
+        if self._shift == 0:
+            return x_post.float()
+        moved = (positions - self._shift).clamp_min(0)
+        return self._rotate(x_post, moved - positions)  # rotations compose: RoPE(a) then RoPE(d) = RoPE(a + d)
 
     # -- attention ---------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         L = self.layers[layer]
-        L.pend_k.append(k)
+        L.pend_k.append(self.rope.apply(k, self._positions, self._k_cos_sin))  # stored at own positions
         L.pend_v.append(v)
         KV, T = self.config.n_kv_heads, q.shape[1]
         q_rot = self.rope.apply(q, self._positions, self._q_cos_sin)
@@ -166,12 +181,12 @@ class SekvCache(CachePolicy):
         keys, values, biases = [], [], []
 
         if self.exact_pos.length:
-            keys.append(self._rope(L.exact_k.view(), self.exact_pos.view()))
+            keys.append(self._placed(L.exact_k.view(), self.exact_pos.view()))
             values.append(L.exact_v.view().float())
             biases.append(torch.zeros(KV, 1, self.exact_pos.length))
 
         pend_pos = self.pend_pos.view()
-        keys.append(self._rope(L.pend_k.view(), pend_pos))
+        keys.append(self._placed(L.pend_k.view(), pend_pos))
         values.append(L.pend_v.view().float())
         causal = torch.where(pend_pos[None, :] <= pos_q[:, None], 0.0, float("-inf"))  # [T, P]
         biases.append(causal[None].expand(KV, T, -1))
@@ -180,7 +195,7 @@ class SekvCache(CachePolicy):
         if n_spans:
             lengths = self.span_len.view()
             centers = self.span_pos.view() + lengths // 2
-            sum_k = self._rope(L.sum_k.view(), centers)  # [KV, S, D]
+            sum_k = self._placed(L.sum_k.view(), centers)  # [KV, S, D]
             log_len = lengths.float().log()
             span_bias = log_len[None, None, :].expand(KV, 1, n_spans)
             k_zoom = min(self.cfg.zoom_k, n_spans)
@@ -191,7 +206,7 @@ class SekvCache(CachePolicy):
                 zoomed = torch.zeros(KV, n_spans, dtype=torch.long).scatter_add_(1, chosen_c, valid.long()) > 0
                 span_bias = torch.where(zoomed[:, None, :], float("-inf"), span_bias)  # expanded: coarse row out
                 zk, zv, zpos, zbias = self._rebuild(L, chosen_c, valid)
-                self._note_peak(extra=storage_bytes(zk, zv))
+                self._zoom_bytes = max(self._zoom_bytes, storage_bytes(zk, zv))
                 keys.append(self._rope(zk, zpos))
                 values.append(zv)
                 biases.append(zbias[:, None, :])
@@ -251,7 +266,9 @@ class SekvCache(CachePolicy):
             self._prev_logprobs = logprobs[-1]
         self.pend_surprisal.append(surprisal.to(self.device))
         self.n_tokens += T
-        self._note_peak()
+        # every layer has appended this chunk; at most one layer's rebuilt rows exist at a time
+        self._note_peak(extra=self._zoom_bytes)
+        self._zoom_bytes = 0
         if self.pend_pos.length - self.recent >= self.l_max:
             self._compress()
         self._note_peak()
@@ -274,16 +291,19 @@ class SekvCache(CachePolicy):
         in_span = t[None, :] < seg.span_len[:, None]
         weights = torch.where(in_span, surprisal[idx].clamp_min(0) + 1e-3, 0.0)
         weights = weights / weights.sum(dim=1, keepdim=True)  # surprisal-weighted mean
+        centers = pos[seg.span_start] + seg.span_len // 2
+        unrotate = self.rope.cos_sin(-pos)
         for layer_no, layer in enumerate(self.layers):
-            for rows, summary, store in ((layer.pend_k, layer.sum_k, layer.fac_k),
-                                         (layer.pend_v, layer.sum_v, layer.fac_v)):
-                x = rows.view()[:, :region].float()
+            keys_pre = self.rope.apply(layer.pend_k.view()[:, :region].float(), -pos, unrotate)
+            for x, summary, store, is_key in ((keys_pre, layer.sum_k, layer.fac_k, True),
+                                              (layer.pend_v.view()[:, :region].float(), layer.sum_v, layer.fac_v, False)):
                 padded = torch.where(in_span[None, :, :, None], x[:, idx], 0.0)  # [KV, S, l_max, D]
                 mean = torch.einsum("ksld,sl->ksd", padded, weights)
-                summary.append(mean)
                 store.add(padded.transpose(0, 1), seg.span_len, self.cfg.energy, self.cfg.max_rank)
-                if rows is layer.pend_k:
+                if is_key:
                     layer.route_k.append(self.router.routing_keys(layer_no, mean).detach())
+                    mean = self._rotate(mean, centers)  # the summary row sits at the span's centre
+                summary.append(mean)
             layer.exact_k.append(layer.pend_k.view()[:, seg.anchors])
             layer.exact_v.append(layer.pend_v.view()[:, seg.anchors])
             layer.pend_k.drop_front(seg.consumed)
@@ -355,6 +375,43 @@ class SekvCache(CachePolicy):
             layer.pend_k.append(pk)
             layer.pend_v.truncate(0)
             layer.pend_v.append(pv)
+
+    # -- persistence -------------------------------------------------------------------------------
+    _GLOBAL = ("exact_pos", "pend_pos", "pend_surprisal", "span_pos", "span_len")
+    _LAYER = ("exact_k", "exact_v", "pend_k", "pend_v", "sum_k", "sum_v", "route_k")
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {name: getattr(self, name).view() for name in self._GLOBAL}
+        for i, layer in enumerate(self.layers):
+            tensors.update({f"L{i}.{name}": getattr(layer, name).view() for name in self._LAYER})
+            tensors.update(layer.fac_k.export_state(f"L{i}.fac_k"))
+            tensors.update(layer.fac_v.export_state(f"L{i}.fac_v"))
+        tensors.update({f"router.{k}": v.detach() for k, v in self.router.state_dict().items()})
+        if self._prev_logprobs is not None:
+            tensors["prev_logprobs"] = self._prev_logprobs
+        meta = {"n_tokens": self.n_tokens, "planned_tokens": self.planned_tokens, "l_min": self.l_min,
+                "stats": [self.stats.count, self.stats.mean, self.stats.m2]}
+        return tensors, meta
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.reserve(int(meta["planned_tokens"]))
+        self.l_min = int(meta["l_min"])
+        for name in self._GLOBAL:
+            getattr(self, name).load(tensors[name].to(self.device))
+        for i, layer in enumerate(self.layers):
+            for name in self._LAYER:
+                getattr(layer, name).load(tensors[f"L{i}.{name}"].to(self.device))
+            layer.fac_k.import_state(tensors, f"L{i}.fac_k")
+            layer.fac_v.import_state(tensors, f"L{i}.fac_v")
+            if not (layer.exact_k.length == layer.exact_v.length == self.exact_pos.length
+                    and layer.pend_k.length == layer.pend_v.length == self.pend_pos.length
+                    and layer.sum_k.length == layer.route_k.length == self.span_len.length == layer.fac_k.n_spans):
+                raise ValueError(f"layer {i}: row counts disagree with the saved positions")
+        self.router.load_state_dict({k[len("router."):]: v for k, v in tensors.items() if k.startswith("router.")})
+        self._prev_logprobs = tensors.get("prev_logprobs")
+        count, mean, m2 = meta["stats"]
+        self.stats = RunningStats(int(count), float(mean), float(m2))
+        self.n_tokens = int(meta["n_tokens"])
 
     # -- accounting & observability ----------------------------------------------------------------
     def device_tensors(self, layer: int) -> list[torch.Tensor]:

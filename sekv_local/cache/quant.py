@@ -1,0 +1,266 @@
+"""`quant`: every token kept, K and V stored block-quantized exactly as llama.cpp's q8_0 / q4_0.
+
+Layout per layer (token-major, as llama.cpp's KV cache rows): keys and values of a token are one row of
+n_kv_heads * head_dim values (post-RoPE keys), cut into blocks of 32 values. Each block has an f16
+scale `d` and 32 quants:
+
+* q8_0: d = amax / 127, q = roundf(x / d) as int8 (34 bytes per 32 values);
+* q4_0: d = m / -8 with m the value of largest magnitude (sign kept), q = min(15, trunc(x / d + 8.5))
+  as 4 bits, packed two per byte: byte j of a block holds q[j] (low nibble) and q[j + 16] (high
+  nibble); dequantized as (q - 8) * d (18 bytes per 32 values).
+
+The arithmetic follows ggml's reference quantize_row_q8_0_ref / quantize_row_q4_0_ref (float32 scale and
+inverse, roundf = half away from zero), so the bytes agree with `gguf.quants.quantize`. Attention
+dequantizes the whole cache (the current chunk included: it is stored first, as llama.cpp does).
+The method compresses by a fixed ratio and takes no budget; like full KV it holds at most the model's
+trained context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import SekvError
+from ..models.config import ModelConfig
+from ..models.rope import Rope
+from .attention import chunk_causal_mask, gqa_attention
+from .base import CachePolicy, register_policy
+
+QK = 32  # values per block (QK8_0 == QK4_0 == 32)
+QUANT_TYPES = ("q8_0", "q4_0")
+#: storage bytes per block of 32 values (f16 scale + quants)
+BLOCK_BYTES = {"q8_0": 2 + QK, "q4_0": 2 + QK // 2}
+
+
+# -- the two block formats ----------------------------------------------------------------------------
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C roundf (half away from zero), written so float32 rounding cannot move a value across .5."""
+    a = x.abs()
+    floored = a.floor()
+    return x.sign() * (floored + (2 * (a - floored)).floor())
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % QK:
+        raise SekvError(f"quant: rows of {x.shape[-1]} values do not split into blocks of {QK}")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
+
+
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] (n % 32 == 0) -> (scales f16 [..., n/32], quants int8 [..., n])."""
+    b = _blocks(x)
+    d = b.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = _roundf(b * inv).to(torch.int8)
+    return d.squeeze(-1).to(torch.float16), q.reshape(x.shape)
+
+
+def dequantize_q8_0(scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_q8_0 -> float32 [..., n]."""
+    b = q.reshape(*q.shape[:-1], q.shape[-1] // QK, QK).float() * scales.float()[..., None]
+    return b.reshape(q.shape)
+
+
+def quantize_q4_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] (n % 32 == 0) -> (scales f16 [..., n/32], packed uint8 [..., n/2])."""
+    b = _blocks(x)
+    idx = b.abs().argmax(dim=-1, keepdim=True)  # first of equal magnitudes, as C's strict '>' scan
+    d = b.gather(-1, idx) / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.trunc(b * inv + 8.5).clamp(0, 15).to(torch.uint8)
+    packed = q[..., : QK // 2] | (q[..., QK // 2:] << 4)
+    return d.squeeze(-1).to(torch.float16), packed.reshape(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def dequantize_q4_0(scales: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_q4_0 -> float32 [..., n]."""
+    p = packed.reshape(*packed.shape[:-1], packed.shape[-1] // (QK // 2), QK // 2)
+    q = torch.cat([p & 0x0F, p >> 4], dim=-1).float() - 8
+    b = q * scales.float()[..., None]
+    return b.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+QUANTIZE = {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0}
+DEQUANTIZE = {"q8_0": dequantize_q8_0, "q4_0": dequantize_q4_0}
+
+
+def to_ggml_bytes(scales: torch.Tensor, q: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Blocks as llama.cpp lays them out in memory (f16 d, then the quants): uint8 [..., n_blocks * block bytes]."""
+    nb = scales.shape[-1]
+    d = scales.contiguous().view(torch.uint8).reshape(*scales.shape[:-1], nb, 2)
+    qs = q.contiguous().view(torch.uint8).reshape(*q.shape[:-1], nb, -1)
+    return torch.cat([d, qs], dim=-1).reshape(*scales.shape[:-1], nb * BLOCK_BYTES[qtype])
+
+
+# -- the policy -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantConfig:
+    """type: block format of keys and values; k_type / v_type override it for one of them (like
+    llama.cpp's --cache-type-k / --cache-type-v). grow_tokens: capacity step (the slack is counted)."""
+
+    type: str = "q8_0"
+    k_type: str | None = None
+    v_type: str | None = None
+    grow_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("type", "k_type", "v_type"):
+            value = getattr(self, name)
+            if (value is not None or name == "type") and value not in QUANT_TYPES:
+                raise SekvError(f"quant: {name} must be one of {', '.join(QUANT_TYPES)}, got '{value}'")
+        if not isinstance(self.grow_tokens, int) or self.grow_tokens < 1:
+            raise SekvError("quant: grow_tokens must be an integer >= 1")
+
+    @property
+    def key_type(self) -> str:
+        return self.k_type or self.type
+
+    @property
+    def value_type(self) -> str:
+        return self.v_type or self.type
+
+
+class QuantRows:
+    """Quantized rows (token-major) grown in fixed steps: scales f16 [capacity, n/32] and quants
+    [capacity, n] int8 (q8_0) or [capacity, n/2] uint8 (q4_0); the first `length` rows are valid."""
+
+    def __init__(self, width: int, qtype: str, step: int, device: torch.device) -> None:
+        self.qtype, self.width, self.step = qtype, width, step
+        q_dtype, q_width = (torch.int8, width) if qtype == "q8_0" else (torch.uint8, width // 2)
+        self.scales = torch.empty(0, width // QK, dtype=torch.float16, device=device)
+        self.q = torch.empty(0, q_width, dtype=q_dtype, device=device)
+        self.length = 0
+
+    def append(self, rows: torch.Tensor) -> None:
+        """rows [n, width] float."""
+        scales, q = QUANTIZE[self.qtype](rows)
+        need = self.length + rows.shape[0]
+        if need > self.q.shape[0]:
+            capacity = -(-need // self.step) * self.step
+            for name in ("scales", "q"):
+                old = getattr(self, name)
+                new = torch.empty(capacity, old.shape[1], dtype=old.dtype, device=old.device)
+                new[: self.length] = old[: self.length]
+                setattr(self, name, new)
+        self.scales[self.length: need] = scales
+        self.q[self.length: need] = q
+        self.length = need
+
+    def dequantized(self) -> torch.Tensor:
+        return DEQUANTIZE[self.qtype](self.scales[: self.length], self.q[: self.length])
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def load(self, scales: torch.Tensor, q: torch.Tensor) -> None:
+        if scales.shape[1:] != self.scales.shape[1:] or q.shape[1:] != self.q.shape[1:] or q.shape[0] != scales.shape[0]:
+            raise ValueError(f"quantized rows of shapes {tuple(scales.shape)}/{tuple(q.shape)} do not fit this model")
+        n = q.shape[0]
+        capacity = -(-n // self.step) * self.step
+        self.scales = torch.empty(capacity, self.scales.shape[1], dtype=torch.float16, device=self.q.device)
+        self.q = torch.empty(capacity, self.q.shape[1], dtype=self.q.dtype, device=self.q.device)
+        self.scales[:n] = scales.to(self.scales.device, torch.float16)
+        self.q[:n] = q.to(self.q.device, self.q.dtype)
+        self.length = n
+
+
+class QuantCache(CachePolicy):
+    name = "quant"
+
+    def __init__(self, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu",
+                 budget: float | int | None = None, **options: Any) -> None:
+        super().__init__(config, rope, device)
+        if budget is not None:
+            raise SekvError("quant: keeps every token at a fixed compression (q8_0: 34/64 of f16, q4_0: 18/64); "
+                            "it takes no --budget")
+        known = {"type", "k_type", "v_type", "grow_tokens"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise SekvError(f"quant: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        self.cfg = QuantConfig(**options)
+        width = config.n_kv_heads * config.head_dim
+        if width % QK:
+            raise SekvError(f"quant: a token's K row has {width} values (kv_heads x head_dim), not a multiple of {QK}")
+        self.keys = [QuantRows(width, self.cfg.key_type, self.cfg.grow_tokens, self.device)
+                     for _ in range(config.n_layers)]
+        self.values = [QuantRows(width, self.cfg.value_type, self.cfg.grow_tokens, self.device)
+                       for _ in range(config.n_layers)]
+        self._bias_key: tuple[int, int] | None = None
+        self._bias: torch.Tensor | None = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        KV, T, D = k.shape
+        k_rot = self.rope.apply(k, self._positions, self._cos_sin)
+        self.keys[layer].append(k_rot.transpose(0, 1).reshape(T, KV * D))
+        self.values[layer].append(v.transpose(0, 1).reshape(T, KV * D))
+        keys = self.keys[layer].dequantized().view(-1, KV, D).transpose(0, 1)
+        values = self.values[layer].dequantized().view(-1, KV, D).transpose(0, 1)
+        q_rot = self.rope.apply(q, self._positions, self._cos_sin)
+        return gqa_attention(q_rot, keys, values, bias=self._causal_bias(T, keys.shape[1]))
+
+    def _causal_bias(self, n_query: int, n_key: int) -> torch.Tensor | None:
+        """Additive causal mask [1, T, S], built once per chunk and shared by the layers."""
+        if n_query == 1:
+            return None
+        if self._bias_key != (n_query, n_key):
+            mask = chunk_causal_mask(n_query, n_key, self.device)
+            self._bias = torch.where(mask, 0.0, float("-inf"))[None]
+            self._bias_key = (n_query, n_key)
+        return self._bias
+
+    def mark(self) -> tuple[int, int]:
+        return (self.n_tokens, self.keys[0].length)
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        self.n_tokens = mark[0]
+        for rows in self.keys + self.values:
+            rows.truncate(mark[1])
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors: dict[str, torch.Tensor] = {}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            for tag, rows in (("k", k), ("v", v)):
+                tensors[f"L{i}.{tag}_d"] = rows.scales[: rows.length]
+                tensors[f"L{i}.{tag}_q"] = rows.q[: rows.length]
+        meta = {"n_tokens": self.n_tokens, "length": self.keys[0].length,
+                "k_type": self.cfg.key_type, "v_type": self.cfg.value_type}
+        return tensors, meta
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        if (meta["k_type"], meta["v_type"]) != (self.cfg.key_type, self.cfg.value_type):
+            raise ValueError(f"saved as {meta['k_type']}/{meta['v_type']}, this cache is "
+                             f"{self.cfg.key_type}/{self.cfg.value_type}")
+        length = int(meta["length"])
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            for tag, rows in (("k", k), ("v", v)):
+                rows.load(tensors[f"L{i}.{tag}_d"], tensors[f"L{i}.{tag}_q"])
+                if rows.length != length:
+                    raise ValueError(f"layer {i}: {rows.length} saved rows, expected {length}")
+        self.n_tokens = int(meta["n_tokens"])
+
+    def device_tensors(self, layer: int) -> list[torch.Tensor]:
+        k, v = self.keys[layer], self.values[layer]
+        return [k.scales, k.q, v.scales, v.q]
+
+
+@register_policy("quant")
+def _make(**kwargs: Any) -> QuantCache:
+    return QuantCache(**kwargs)
+
+
+def _preset(qtype: str) -> Any:
+    def make(**kwargs: Any) -> QuantCache:
+        chosen = kwargs.pop("type", qtype)
+        if chosen != qtype:
+            raise SekvError(f"quant-{qtype}: the method name fixes type={qtype}; got type={chosen} "
+                            f"(use --method quant with type=... instead)")
+        return QuantCache(type=qtype, **kwargs)
+
+    return make
+
+
+for _qtype in QUANT_TYPES:
+    register_policy(f"quant-{_qtype}")(_preset(_qtype))

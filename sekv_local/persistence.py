@@ -1,0 +1,109 @@
+"""Saved document memories: safetensors + a JSON header, checksummed, written atomically.
+
+A memory is only valid for the model file, cache method and settings that built it; the header
+records them and loading refuses anything else with a clear message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import SekvError
+
+FORMAT_VERSION = 1
+HEADER_KEY = "sekv_local"
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+
+class MemoryFileError(SekvError):
+    """A saved memory that cannot be used (corrupt, truncated, tampered, or for something else)."""
+
+
+@lru_cache(maxsize=8)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, cached per (path, size, mtime) so a model is hashed once per process."""
+    st = os.stat(path)
+    return _file_sha256(str(path), st.st_size, st.st_mtime_ns)
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def save_memory(path: str | Path, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
+    """Write atomically: a temporary file in the same folder, fsync, then rename over `path`."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    full_header = {**header, "format_version": FORMAT_VERSION, "checksum": tensors_checksum(plain)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(plain, str(tmp), metadata={HEADER_KEY: json.dumps(full_header)})
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_header(path: str | Path) -> dict[str, Any]:
+    """The JSON header of a saved memory (cheap: tensors are not read)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MemoryFileError(f"saved memory not found: {path}")
+    try:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            if size <= 0 or size > MAX_HEADER_BYTES or size + 8 > path.stat().st_size:
+                raise MemoryFileError(f"{path} is not a sekv-local memory file (bad safetensors header)")
+            meta = json.loads(fh.read(size)).get("__metadata__", {})
+        header = json.loads(meta[HEADER_KEY])
+    except MemoryFileError:
+        raise
+    except (KeyError, ValueError, UnicodeDecodeError, OSError) as exc:
+        raise MemoryFileError(f"{path} is not a sekv-local memory file ({exc.__class__.__name__})") from None
+    if header.get("format_version") != FORMAT_VERSION:
+        raise MemoryFileError(f"{path} has memory format {header.get('format_version')}; this sekv-local reads "
+                              f"format {FORMAT_VERSION}")
+    return header
+
+
+def load_memory(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and header, after verifying the checksum."""
+    from safetensors.torch import load_file
+
+    header = read_header(path)
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types on truncated/corrupt data
+        raise MemoryFileError(f"{path} is truncated or corrupt: {exc}") from None
+    if tensors_checksum(tensors) != header.get("checksum"):
+        raise MemoryFileError(f"{path} failed its checksum: the file was modified or damaged")
+    return tensors, header

@@ -1,0 +1,54 @@
+"""`sekv-local bench`: a real (tiny) grid end to end, then resumed without recomputing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sekv_local.errors import SekvError
+from sekv_local.eval.runner import BenchConfig, parse_method_options
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_results_and_resumes(tmp_path: Path, model_path) -> None:
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "sekv_local", "bench", "--quick", "--engine", "torch,llama.cpp-stock",
+           "--method", "full,sekv", "--budgets", "0.5", "--threads", "2", "--out", str(out)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr
+    results = json.loads((out / "results.json").read_text())
+    records = results["records"]
+    # torch: full + sekv; llama.cpp-stock: full only (sekv is skipped there, with a notice)
+    assert sorted({(r["engine"], r["method"]) for r in records}) == [
+        ("llama.cpp-stock", "full"), ("torch", "full"), ("torch", "sekv")]
+    assert "skipping sekv on llama.cpp-stock" in first.stderr
+    assert len(records) == 3 * 2 and all(r["length"] == 1024 and r["task"] == "niah_single" for r in records)
+    for r in records:
+        assert 0.0 <= r["score"] <= 1.0 and r["prefill_tokens"] > 900 and r["decode_tokens"] >= 1
+        assert r["device_bytes"] > 0 and r["full_kv_bytes"] > 0
+    sekv = [r for r in records if r["method"] == "sekv"]
+    assert all(r["device_peak_bytes"] <= 0.5 * r["full_kv_bytes"] * 1.1 for r in sekv)
+    summary = (out / "summary.md").read_text()
+    assert "| torch | sekv | 50% |" in summary and "sekv-local bench --quick" in summary
+    for png in ("accuracy_by_length.png", "depth_heatmap.png", "accuracy_vs_budget.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "results.json").read_text())["records"] == records  # nothing recomputed
+
+
+def test_bench_config_validation() -> None:
+    with pytest.raises(SekvError, match="unknown task"):
+        BenchConfig(tasks=["nope"], lengths=[1024], samples=1, engines=["torch"], methods=["full"])
+    with pytest.raises(SekvError, match="needs --budgets"):
+        list(BenchConfig(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"],
+                         methods=["sekv"]).method_budgets())
+    assert parse_method_options(["sekv:zoom_k=32", "sekv:router=projection", "snapkv:window=64"]) == {
+        "sekv": {"zoom_k": 32, "router": "projection"}, "snapkv": {"window": 64}}
+    with pytest.raises(SekvError, match="METHOD:KEY=VALUE"):
+        parse_method_options(["zoom_k=32"])
