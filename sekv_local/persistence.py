@@ -50,6 +50,12 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def memory_checksum(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> str:
+    """Covers the tensors and every header field (a header edit is tampering too)."""
+    fields = {k: v for k, v in header.items() if k != "checksum"}
+    return hashlib.sha256((tensors_checksum(tensors) + json.dumps(fields, sort_keys=True)).encode()).hexdigest()
+
+
 def save_memory(path: str | Path, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
     """Write atomically: a temporary file in the same folder, fsync, then rename over `path`."""
     from safetensors.torch import save_file
@@ -57,7 +63,8 @@ def save_memory(path: str | Path, tensors: dict[str, torch.Tensor], header: dict
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     plain = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-    full_header = {**header, "format_version": FORMAT_VERSION, "checksum": tensors_checksum(plain)}
+    full_header = {**header, "format_version": FORMAT_VERSION}
+    full_header["checksum"] = memory_checksum(plain, full_header)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(plain, str(tmp), metadata={HEADER_KEY: json.dumps(full_header)})
@@ -104,6 +111,6 @@ def load_memory(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, An
         tensors = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types on truncated/corrupt data
         raise MemoryFileError(f"{path} is truncated or corrupt: {exc}") from None
-    if tensors_checksum(tensors) != header.get("checksum"):
+    if memory_checksum(tensors, header) != header.get("checksum"):
         raise MemoryFileError(f"{path} failed its checksum: the file was modified or damaged")
     return tensors, header

@@ -17,7 +17,7 @@ from ..errors import SekvError
 from ..models.prompt import PromptBuilder
 from ..models.registry import resolve_model
 from ..models.tokenizer import Tokenizer
-from ..session import Session, SessionSettings
+from ..session import ANSWER_RESERVE, Session, SessionSettings
 from .report import write_report
 from .scoring import score
 from .tasks import TASKS, Sample, generate_suite, parse_length
@@ -195,8 +195,8 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
     scores: list[float] = []
     for engine_name, method, budget, length, task, i in plan:
         options = dict(config.method_options.get(method, {}))
-        if engine_name == "llama.cpp-stock":
-            options["n_ctx"] = length + 256
+        if engine_name == "llama.cpp-stock":  # llama.cpp allocates its whole context up front: size it
+            options["n_ctx"] = -(-(length + ANSWER_RESERVE + 64) // 256) * 256
         key = (engine_name, method, budget, length if engine_name == "llama.cpp-stock" else None)
         if key != engine_key:
             engine = create_engine(engine_name, model_path, tokenizer, EngineOptions(
