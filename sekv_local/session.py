@@ -159,9 +159,9 @@ class Session:
              show_progress: bool = True, tokenizer: Tokenizer | None = None) -> "Session":
         """Reopen a saved memory for `document`. Method, budget and method options come from the file;
         a file built from another model file or another version of the document is refused."""
-        from .persistence import MemoryFileError, file_sha256, load_memory, read_header
+        from .persistence import MemoryFileError, file_sha256, load_memory
 
-        header = read_header(path)
+        tensors, header = load_memory(path)  # verifies the checksum before anything trusts the header
         doc = document if isinstance(document, Document) else read_document(document)
         if header["document"]["sha256"] != doc.sha256:
             raise MemoryFileError(f"{path} was built from a different document than {doc.name} "
@@ -173,7 +173,6 @@ class Session:
         if header["model"]["file_sha256"] != file_sha256(session.model_path):
             raise MemoryFileError(f"{path} was built with another model file ({header['model']['name']}); "
                                   f"it cannot be used with {session.settings.model}")
-        tensors, header = load_memory(path)
         session.engine.import_state(tensors, header["state"])
         session.document_tokens = int(header["document"]["tokens"])
         session._prefix_tokens = len(session.prompt.document_tokens("")[0])

@@ -27,7 +27,7 @@ def sample(tokenizer):
 def test_method_answers_short_niah_within_budget(method, sample, tokenizer, model_path) -> None:
     budget = None if method in UNBUDGETED else BUDGET
     session = Session.create(Document.from_text(sample.document),
-                             SessionSettings(method=method, budget=budget, threads=2, max_new_tokens=16),
+                             SessionSettings(method=method, budget=budget, threads=2, max_new_tokens=40),
                              show_progress=False, tokenizer=tokenizer)
     session.ingest()
     after_prefill = session.engine.memory()
