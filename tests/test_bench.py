@@ -17,7 +17,7 @@ from sekv_local.eval.runner import BenchConfig, parse_method_options
 def test_quick_bench_writes_results_and_resumes(tmp_path: Path, model_path) -> None:
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "sekv_local", "bench", "--quick", "--engine", "torch,llama.cpp-stock",
-           "--method", "full,sekv", "--budgets", "0.5", "--threads", "2", "--out", str(out)]
+           "--method", "full,sekv", "--budgets", "0.8", "--threads", "2", "--out", str(out)]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr
     results = json.loads((out / "results.json").read_text())
@@ -31,9 +31,9 @@ def test_quick_bench_writes_results_and_resumes(tmp_path: Path, model_path) -> N
         assert 0.0 <= r["score"] <= 1.0 and r["prefill_tokens"] > 900 and r["decode_tokens"] >= 1
         assert r["device_bytes"] > 0 and r["full_kv_bytes"] > 0
     sekv = [r for r in records if r["method"] == "sekv"]
-    assert all(r["device_peak_bytes"] <= 0.5 * r["full_kv_bytes"] * 1.1 for r in sekv)
+    assert all(r["device_peak_bytes"] <= 0.8 * r["full_kv_bytes"] * 1.1 for r in sekv)
     summary = (out / "summary.md").read_text()
-    assert "| torch | sekv | 50% |" in summary and "sekv-local bench --quick" in summary
+    assert "| torch | sekv | 80% |" in summary and "sekv-local bench --quick" in summary
     for png in ("accuracy_by_length.png", "depth_heatmap.png", "accuracy_vs_budget.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
