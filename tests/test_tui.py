@@ -230,11 +230,13 @@ async def wait_for(pilot, condition: Callable[[], bool], timeout: float = 300, w
             raise AssertionError(f"timed out waiting for {what or condition}: state {pilot.app.state}, "
                                  f"error {pilot.app.last_error}")
         await pilot.pause(0.02)
+    await pilot.pause(0.05)  # let the UI settle (removed/mounted widgets, focus)
 
 
 async def type_line(pilot, text: str) -> None:
-    pilot.app.query_one("#question").focus()
+    pilot.app._q("#question").focus()
     await pilot.press(*text, "enter")
+    await pilot.pause(0.05)
 
 
 def screen_text(app) -> str:
@@ -248,20 +250,12 @@ def screen_text(app) -> str:
     return console.export_text()
 
 
-async def ask(pilot, question: str, timeout: float = 180) -> set[str]:
-    """Type `question`, wait for the whole answer; returns the partial texts seen while it streamed."""
+async def ask(pilot, question: str, timeout: float = 300) -> None:
+    """Type `question` and wait for the whole answer."""
     app = pilot.app
     before = len(app.session.answers)
     await type_line(pilot, question)
-    partials: set[str] = set()
-    deadline = time.monotonic() + timeout
-    while not (app.state == "ready" and len(app.session.answers) > before):
-        widget = app._answer_widget
-        if widget is not None and widget.body and app.state == "generating":
-            partials.add(widget.body)
-        assert time.monotonic() < deadline, f"no answer within {timeout} s"
-        await pilot.pause(0.005)
-    return partials
+    await wait_for(pilot, lambda: app.state == "ready" and len(app.session.answers) > before, timeout, "the answer")
 
 
 def conversation(app) -> list[tuple[str, str]]:
@@ -270,37 +264,49 @@ def conversation(app) -> list[tuple[str, str]]:
     return [(m.kind, m.body) for m in app._q("#conversation").query(ChatMessage)]
 
 
-def test_app_reads_answers_streams_maps_saves_and_loads(story, tmp_path, model_path, tokenizer):
+def test_app_reads_answers_streams_maps_saves_and_loads(story, tmp_path, model_path, tokenizer, monkeypatch):
     from sekv_local.tui.app import ChatApp
     from sekv_local.tui.screens import HelpScreen, IngestScreen
     from sekv_local.tui.widgets import ChatMessage, DocumentMap
 
+    progress: list[tuple[int, int, str]] = []
+    shown = IngestScreen.set_progress
+
+    def record(screen, done: int, total: int, elapsed: float) -> None:  # observe what the screen shows
+        shown(screen, done, total, elapsed)
+        progress.append((done, total, str(screen.query_one("#ingest-stats").content)))
+
+    monkeypatch.setattr(IngestScreen, "set_progress", record)
+    streamed: list[str] = []
+    append = ChatMessage.append
+
+    def record_piece(message, piece: str) -> None:  # observe the answer growing in the chat view
+        append(message, piece)
+        streamed.append(message.body)
+
+    monkeypatch.setattr(ChatMessage, "append", record_piece)
     memory_dir = tmp_path / "memories"
-    app = ChatApp(story, settings_for(model_path), memory_dir=memory_dir, tokenizer=tokenizer)
-    seen: dict[str, Any] = {"progress": [], "partials": set()}
+    app = ChatApp(story, settings_for(model_path, chunk_size=64), memory_dir=memory_dir, tokenizer=tokenizer)
 
     async def run() -> None:
         async with app.run_test(size=SIZE) as pilot:
             # ingestion screen first, with a progress bar fed by the real reader
             assert isinstance(app.screen, IngestScreen)
-            bar = app.screen.query_one("#ingest-bar")
-            while app.state == "reading":
-                if bar.progress:
-                    seen["progress"].append((bar.progress, bar.total))
-                await pilot.pause(0.01)
+            await wait_for(pilot, lambda: app.state != "reading", 300, "reading")
             assert app.state == "ready", app.last_error
             assert app.screen is app._main and app.session.document_tokens > 100
             assert f"{app.session.document_tokens:,}" in str(app._q("#doc-info").content)
             assert "Read story.txt" in conversation(app)[-1][1]
 
             # ask: the answer streams into the chat view token by token
-            partials = await ask(pilot, QUESTION)
+            await ask(pilot, QUESTION)
             answer = app._answer_widget
             assert isinstance(answer, ChatMessage)
             assert "Maren" in answer.body, answer.body
             assert app.session.answers[-1].text == answer.body
-            assert len(partials) >= 2, "the answer did not stream"
-            assert any(answer.body.startswith(p) and p != answer.body for p in partials)
+            assert len(streamed) >= 3, "the answer did not stream"
+            assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:]))  # grew piece by piece
+            assert streamed[-1].strip() == answer.body
             assert ("question", QUESTION) in conversation(app)
             assert "Maren" in screen_text(app)
             # side panel: memory bars and no zoom data for method full
@@ -310,13 +316,15 @@ def test_app_reads_answers_streams_maps_saves_and_loads(story, tmp_path, model_p
             assert "device" in bars and "host" in bars and "full KV" in bars
             assert "no zoom data" in str(app._q("#spans-info").content)
 
-            # the document map: F2 opens it and shows a passage of the source text; → moves on
+            # the document map: F2 opens it and shows a passage of the source text; → / End / a click move
             await pilot.press("f2")
             await pilot.pause(0.1)
             dmap = app._q("#docmap", DocumentMap)
             assert app.focused is dmap and dmap.cursor == 0
             first = str(app._q("#passage").content)
             assert "tokens 0–" in first and "Port Alder" in first
+            await pilot.press("right")
+            assert dmap.cursor == 1
             await pilot.press("end")
             await pilot.pause(0.1)
             last = str(app._q("#passage").content)
@@ -359,12 +367,15 @@ def test_app_reads_answers_streams_maps_saves_and_loads(story, tmp_path, model_p
 
     asyncio.run(run())
     assert app.return_code == 0
-    # the progress bar moved through the document up to its end
-    assert seen["progress"] and seen["progress"][-1][0] == seen["progress"][-1][1]
+    # the progress bar moved chunk by chunk through the document, with tokens/s and an ETA
+    assert len(progress) >= 3 and progress[-1][0] == progress[-1][1]
+    assert [p[0] for p in progress] == sorted(p[0] for p in progress)
+    assert "tok/s" in progress[0][2] and "ETA" in progress[0][2] and progress[-1][2].endswith("done")
 
 
-def test_app_stops_an_answer_and_switches_method(story, tmp_path, model_path, tokenizer):
+def test_app_stops_an_answer_and_survives_a_bad_method(story, tmp_path, model_path, tokenizer):
     from sekv_local.tui.app import ChatApp
+    from sekv_local.tui.screens import IngestScreen
 
     app = ChatApp(story, settings_for(model_path, max_new_tokens=400), memory_dir=tmp_path, tokenizer=tokenizer)
 
@@ -383,15 +394,75 @@ def test_app_stops_an_answer_and_switches_method(story, tmp_path, model_path, to
             assert "unknown method 'nonsense'" in conversation(app)[-1][1]
             await type_line(pilot, "/budget lots")
             assert "is not a budget" in conversation(app)[-1][1]
+            # a method that cannot hold this document: the error is shown, and Back keeps the old session
+            before = app.session
             await type_line(pilot, "/method sekv")
             await wait_for(pilot, lambda: app.state in ("ready", "error"), 300, "re-reading")
+            assert app.state == "error" and "budget" in app.last_error
+            assert isinstance(app.screen, IngestScreen) and "budget" in screen_text(app)
+            await pilot.press("b")
+            await pilot.pause(0.1)
+            assert app.screen is app._main and app.session is before and app.settings.method == "full"
+            await pilot.press("ctrl+q")
+
+    asyncio.run(run())
+
+
+def town(n_houses: int = 30) -> str:
+    """A longer document (about 1,200 tokens) with one fact in the middle, for the SeKV method."""
+    colours = ["red", "blue", "green", "yellow", "white", "grey", "black", "orange"]
+    paras = [f"House number {i + 1} on Harbour Street has a {colours[i % 8]} door and a garden with {i % 5 + 2} "
+             f"apple trees. The family there keeps {i % 3 + 1} goats and sells cheese at the Saturday market."
+             for i in range(n_houses)]
+    paras.insert(n_houses // 2, "The lighthouse keeper of Port Alder is Maren Holt. She climbs the tower every "
+                                "evening at dusk.")
+    return "Port Alder is a small fishing town on a rocky northern coast.\n\n" + "\n\n".join(paras) + "\n"
+
+
+def test_app_with_sekv_maps_where_the_answer_zoomed(tmp_path, model_path, tokenizer):
+    from sekv_local.tui.app import ChatApp
+    from sekv_local.tui.widgets import DocumentMap
+
+    doc = tmp_path / "town.txt"
+    doc.write_text(town())
+    app = ChatApp(doc, settings_for(model_path, method="sekv", budget=0.5, chunk_size=64), memory_dir=tmp_path,
+                  tokenizer=tokenizer)
+
+    async def run() -> None:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.state in ("ready", "error"), 300, "reading")
             assert app.state == "ready", app.last_error
-            assert app.settings.method == "sekv" and app.settings.budget == 0.25
             assert "spans" in str(app._q("#spans-info").content)
-            await type_line(pilot, "/budget 50%")
+            await ask(pilot, QUESTION)
+            answer = app.session.answers[-1]
+            assert "Maren" in answer.text
+            zoomed = answer.observations["zoomed"]
+            assert zoomed and f"{len(zoomed)} zoomed" in str(app._q("#spans-info").content)
+            memory = answer.memory
+            assert memory["host_bytes"] > 0 and memory["device_bytes"] < memory["full_kv_bytes"]
+            dmap = app._q("#docmap", DocumentMap)
+            levels = docmap.levels(dmap.values())
+            assert max(levels) == len(docmap.SHADES) - 1 and min(levels) >= 0
+            # F2 opens the map on its hottest cell and shows the zoomed passage(s) there
+            await pilot.press("f2")
+            await pilot.pause(0.1)
+            assert dmap.cursor == docmap.hottest_bin(dmap.values())
+            shown = str(app._q("#passage").content)
+            assert "zoomed here" in shown
+            start, end = docmap.bin_span(dmap.cursor, app.session.document_tokens, dmap.n_bins)
+            for z in docmap.spans_in(zoomed, start, end)[:4]:
+                assert z["text"].strip()[:40] in shown
+            # a cell without zoom shows the source text under it
+            cold = next(i for i, v in enumerate(levels) if v == 0)
+            await pilot.click("#docmap", offset=(cold, 0))
+            await pilot.pause(0.1)
+            assert "(no zoom here)" in str(app._q("#passage").content)
+            # switching back to full: no observations, the panel says so
+            await type_line(pilot, "/method full")
             await wait_for(pilot, lambda: app.state in ("ready", "error"), 300, "re-reading")
             assert app.state == "ready", app.last_error
-            assert app.settings.budget == 0.5
+            assert app.settings.method == "full" and app.settings.budget is None
+            assert "no zoom data" in str(app._q("#spans-info").content)
             await pilot.press("ctrl+q")
 
     asyncio.run(run())
@@ -458,7 +529,7 @@ def test_snapshot_chat_after_an_answer(story, tmp_path, model_path, tokenizer, s
         await ask(pilot, QUESTION)
         await pilot.press("f2")
 
-    assert svg_snapshot(name="chat") == screenshot(app, before)
+    assert svg_snapshot == screenshot(app, before)
 
 
 def test_snapshot_help(story, tmp_path, model_path, tokenizer, svg_snapshot):
@@ -470,7 +541,7 @@ def test_snapshot_help(story, tmp_path, model_path, tokenizer, svg_snapshot):
         await wait_for(pilot, lambda: app.state == "ready", 300, "reading")
         await pilot.press("f1")
 
-    assert svg_snapshot(name="help") == screenshot(app, before)
+    assert svg_snapshot == screenshot(app, before)
 
 
 def test_snapshot_offer_of_a_saved_memory_then_load(story, tmp_path, model_path, tokenizer, svg_snapshot):
@@ -486,7 +557,7 @@ def test_snapshot_offer_of_a_saved_memory_then_load(story, tmp_path, model_path,
     async def before(pilot) -> None:
         await wait_for(pilot, lambda: isinstance(app.screen, OfferScreen), 30, "the offer")
 
-    assert svg_snapshot(name="offer") == screenshot(app, before)
+    assert svg_snapshot == screenshot(app, before)
 
     app = ChatApp(story, settings, memory_dir=tmp_path, tokenizer=tokenizer)
 
@@ -517,4 +588,4 @@ def test_snapshot_cancelled_reading(tmp_path, model_path, tokenizer, svg_snapsho
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.state == "cancelled", 60, "cancel")
 
-    assert svg_snapshot(name="cancelled") == screenshot(app, before)
+    assert svg_snapshot == screenshot(app, before)

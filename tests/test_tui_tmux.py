@@ -30,7 +30,9 @@ class Tmux:
         self.socket = f"sekv-test-{uuid.uuid4().hex[:8]}"
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
         # keep the window after the app exits so its exit status and the restored screen can be read
-        script = f"cd {shlex.quote(str(cwd))} && env {exports} {command}; echo \"EXIT STATUS $?\"; sleep 600"
+        # (-u COLUMNS/LINES: test runners export 80x24 there, and the app would believe them over the tty)
+        script = (f"cd {shlex.quote(str(cwd))} && env -u COLUMNS -u LINES {exports} {command}; "
+                  f"echo \"EXIT STATUS $?\"; sleep 600")
         self.tmux("new-session", "-d", "-s", "main", "-x", str(size[0]), "-y", str(size[1]), "bash", "-c", script)
 
     def tmux(self, *args: str) -> str:
@@ -71,7 +73,6 @@ def test_chat_app_in_a_real_terminal(tmp_path, model_path):
     env = {
         "SEKV_LOCAL_CACHE": str(tmp_path / "cache"),  # saved memories go here (the model is given by path)
         "SEKV_LOCAL_CONFIG": str(tmp_path / "no-config.toml"),
-        "TERM": "xterm-256color",
         "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
     }
     term = Tmux(command, tmp_path, env)

@@ -43,6 +43,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: tokens shown at least when a map cell without zoom is selected
+PASSAGE_TOKENS = 64
+
+
 class IngestCancelled(Exception):
     """Raised from the progress callback to abort reading the document."""
 
@@ -116,6 +120,7 @@ class ChatApp(App[None]):
         self._stop = threading.Event()
         self._pending: tuple[SessionSettings, Path | None, Path | None] | None = None
         self._answer_widget: ChatMessage | None = None
+        self._initial: dict[str, Any] = {"memory": None, "observations": {}}
         self.sub_title = self.document.name
 
     # -- layout ----------------------------------------------------------------------------------
@@ -206,6 +211,8 @@ class ChatApp(App[None]):
             self._ui(screen.set_stage, f"loading model {memories.model_slug(settings.model)}…")
             if load is not None:
                 session = Session.load(load, self.document, settings, show_progress=False, tokenizer=self.tokenizer)
+                if self._cancel.is_set():
+                    raise IngestCancelled
                 how = f"Loaded saved memory {load.name} ({session.document_tokens:,} tokens)."
             else:
                 session = Session.create(self.document, settings, show_progress=False, tokenizer=self.tokenizer)
@@ -226,7 +233,11 @@ class ChatApp(App[None]):
                     session.save(save)
                     how += f" Saved its memory to {save}."
             session.passage(0, 0)  # tokenize the document once: the map's passages are then instant
-            self._ui(self._session_ready, session, how)
+            # measured here, off the UI thread: the panel's figures before the first answer
+            observations = session.engine.observations()
+            initial = {"memory": session.engine.memory().as_dict(),
+                       "observations": {"spans": observations["spans"]} if "spans" in observations else {}}
+            self._ui(self._session_ready, session, how, initial)
         except IngestCancelled:
             self._ui(self._open_cancelled, screen)
         except SekvError as exc:
@@ -234,9 +245,10 @@ class ChatApp(App[None]):
         except Exception as exc:  # keep the app alive and say what happened
             self._ui(self._open_failed, screen, f"{exc.__class__.__name__}: {exc}")
 
-    def _session_ready(self, session: Session, how: str) -> None:
+    def _session_ready(self, session: Session, how: str, initial: dict[str, Any]) -> None:
         first = self.session is None
         self.session = session
+        self._initial = initial
         self.settings = session.settings
         if self.tokenizer is None:
             self.tokenizer = session.tokenizer
@@ -259,8 +271,12 @@ class ChatApp(App[None]):
     def _open_failed(self, screen: IngestScreen, message: str) -> None:
         self.state = "error"
         self.last_error = message
+        retry = "r: try again"
+        if self._pending is not None and self._pending[1] is not None:  # a saved memory that cannot be used
+            self._pending = (self._pending[0], None, None)
+            retry = "r: read the document instead"
         if screen.is_attached:
-            screen.set_error(message)
+            screen.set_error(message, retry)
 
     def cancel_ingest(self) -> None:
         if self.state == "reading":
@@ -544,8 +560,8 @@ class ChatApp(App[None]):
             passage.update(Text("The passages behind an answer show here.", style="dim"))
             return
         answer = session.answers[-1] if session.answers else None
-        bars.show(answer.memory if answer is not None else session.engine.memory().as_dict())
-        observations = answer.observations if answer is not None else session.engine.observations()
+        bars.show(answer.memory if answer is not None else self._initial["memory"])
+        observations = answer.observations if answer is not None else self._initial["observations"]
         zoomed = observations.get("zoomed") or []
         if "spans" in observations:
             line = f"spans   {observations['spans']:,}"
@@ -568,9 +584,10 @@ class ChatApp(App[None]):
         if self.session is None:
             return
         passage = self._q("#passage", Static)
+        doc_tokens = self.session.document_tokens
         out = Text()
-        out.append(f"tokens {event.start:,}–{event.end:,} of {self.session.document_tokens:,}", style="bold")
         if event.spans:
+            out.append(f"tokens {event.start:,}–{event.end:,} of {doc_tokens:,}", style="bold")
             hits = sum(int(z.get("hits", 0)) for z in event.spans)
             layers = sorted({layer for z in event.spans for layer in z.get("layers", [])})
             out.append(f"\nzoomed here: {hits} hits", style="bold yellow")
@@ -584,8 +601,12 @@ class ChatApp(App[None]):
                 out.append(f"\n\n[{start:,}–{start + length:,}] ", style="dim")
                 out.append(body.strip())
         else:
+            # a cell of a short document is a few tokens: show at least a readable window around it
+            n = max(event.end - event.start, PASSAGE_TOKENS)
+            start = max(0, min(event.start, doc_tokens - n))
+            out.append(f"tokens {start:,}–{min(start + n, doc_tokens):,} of {doc_tokens:,}", style="bold")
             out.append("\n(no zoom here)\n\n", style="dim")
-            out.append(self.session.passage(event.start, max(event.end - event.start, 1)).strip())
+            out.append(self.session.passage(start, n).strip())
         passage.update(out)
         self._q("#passage-box", VerticalScroll).scroll_home(animate=False)
 
@@ -597,7 +618,7 @@ class ChatApp(App[None]):
                  f"model {memories.model_slug(s.model)} · engine {s.engine} · method {s.method}"
                  + (f" · budget {format_budget(s.budget)}" if s.budget is not None else "")]
         answer = session.answers[-1] if session.answers else None
-        memory = answer.memory if answer is not None else session.engine.memory().as_dict()
+        memory = (answer.memory if answer is not None else self._initial["memory"]) or {}
         full = memory.get("full_kv_bytes") or 0
         lines.append(f"memory: device {format_bytes(memory.get('device_bytes'))} "
                      f"(peak {format_bytes(memory.get('device_peak_bytes'))}), host {format_bytes(memory.get('host_bytes'))}, "

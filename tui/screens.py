@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Center, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, Footer, Header, ProgressBar, Static
 
@@ -106,13 +106,13 @@ class IngestScreen(Screen):
         back = " · b: back to the chat" if self.chat_app.session is not None else ""
         self.query_one("#ingest-note", Static).update(f"r: read again{back} · q: quit")
 
-    def set_error(self, message: str) -> None:
+    def set_error(self, message: str, retry: str = "r: try again") -> None:
         self._set_state("error")
         self.query_one("#ingest-bar", ProgressBar).display = False
         self.query_one("#ingest-stats", Static).update(Text(message, style="bold red"))
         self.query_one("#ingest-stats", Static).styles.height = "auto"
         back = " · b: back to the chat" if self.chat_app.session is not None else ""
-        self.query_one("#ingest-note", Static).update(f"r: try again{back} · q: quit")
+        self.query_one("#ingest-note", Static).update(f"{retry}{back} · q: quit")
 
     def action_cancel(self) -> None:
         self.chat_app.cancel_ingest()
@@ -142,7 +142,7 @@ class OfferScreen(ModalScreen[str]):
     OfferScreen { align: center middle; }
     #offer-box { width: 76; height: auto; border: round $accent; padding: 1 2; background: $surface; }
     #offer-title { text-style: bold; margin-bottom: 1; }
-    #offer-buttons { height: auto; margin-top: 1; }
+    #offer-buttons { height: auto; margin-top: 1; align-horizontal: center; }
     #offer-buttons Button { margin-right: 2; }
     """
 
@@ -160,9 +160,10 @@ class OfferScreen(ModalScreen[str]):
             yield Static(f"A saved memory of {self.document_name} exists", id="offer-title")
             yield Static(f"{m.path.name}\nmethod {m.method}{budget}, engine {m.engine}, {m.size / 2**20:.1f} MiB"
                          f"{more}\n\nLoad it now (instant), or read the document again?", id="offer-text")
-            with Center(id="offer-buttons"):
+            with Horizontal(id="offer-buttons"):
                 yield Button("Load saved memory (l)", id="offer-load", variant="primary")
                 yield Button("Read again (r)", id="offer-read")
+        yield Footer()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss("load" if event.button.id == "offer-load" else "read")
@@ -217,6 +218,7 @@ class HelpScreen(ModalScreen[None]):
                  "(method sekv); select one to read that passage.", style="dim"))
         with VerticalScroll(id="help-box"):
             yield Static(text, id="help-text")
+        yield Footer()
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -26,11 +26,11 @@ async def _shoot(app, question: str, size: tuple[int, int], timeout: float, open
         await wait_for(pilot, lambda: app.state in ("ready", "error", "cancelled"), timeout)
         if app.state != "ready":
             raise SystemExit(f"the app did not get ready: {app.state} {app.last_error or ''}")
-        await pilot.click("#question")
-        app.query_one("#question").value = question
+        box = app._q("#question")
+        box.focus()
+        box.value = question
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.state == "generating", 10)
-        await wait_for(pilot, lambda: app.state == "ready", timeout)
+        await wait_for(pilot, lambda: app.state == "ready" and bool(app.session.answers), timeout)
         if open_map:
             await pilot.press("f2")
         await pilot.pause(0.3)
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--question", default=DEFAULT_QUESTION)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", default="sekv")
-    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--threads", type=int)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--size", default="132x40", help="terminal COLUMNSxROWS")
