@@ -19,6 +19,25 @@ def chunk_causal_mask(n_query: int, n_key: int, device: torch.device | None = No
     return k_idx <= q_idx + offset
 
 
+class CausalBias:
+    """Additive causal mask [1, T, S] for a chunk, built once and shared by all layers of the chunk
+    (a bool mask would be converted by SDPA again in every layer)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self._key: tuple[int, int] | None = None
+        self._bias: torch.Tensor | None = None
+
+    def __call__(self, n_query: int, n_key: int) -> torch.Tensor | None:
+        if n_query == 1:
+            return None
+        if self._key != (n_query, n_key):
+            mask = chunk_causal_mask(n_query, n_key, self.device)
+            self._bias = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))[None]
+            self._key = (n_query, n_key)
+        return self._bias
+
+
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of q [H, T, D] over k/v [KV, S, D] with H a multiple of KV (GQA).

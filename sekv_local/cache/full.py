@@ -10,7 +10,7 @@ import torch
 from ..errors import SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
-from .attention import chunk_causal_mask, gqa_attention
+from .attention import CausalBias, gqa_attention
 from .base import CachePolicy, register_policy
 
 _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -76,8 +76,7 @@ class FullCache(CachePolicy):
         if budget not in (None, 1, 1.0):
             raise SekvError("full: keeps every token; it takes no --budget (use a compressing method)")
         self.cfg = FullConfig(**options)
-        self._bias_key: tuple[int, int] | None = None
-        self._bias: torch.Tensor | None = None
+        self._causal = CausalBias(self.device)
         self.layers = [GrowingKV(config.n_kv_heads, config.head_dim, _DTYPES[self.cfg.dtype], self.cfg.grow_tokens,
                                  self.device) for _ in range(config.n_layers)]
 
@@ -89,15 +88,7 @@ class FullCache(CachePolicy):
         return gqa_attention(q_rot, keys, values, bias=self._causal_bias(q.shape[1], keys.shape[1]))
 
     def _causal_bias(self, n_query: int, n_key: int) -> torch.Tensor | None:
-        """Additive causal mask [1, T, S] shared by all layers of a chunk (a bool mask would be
-        converted by SDPA again in every layer)."""
-        if n_query == 1:
-            return None
-        if self._bias_key != (n_query, n_key):
-            mask = chunk_causal_mask(n_query, n_key, self.device)
-            self._bias = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))[None]
-            self._bias_key = (n_query, n_key)
-        return self._bias
+        return self._causal(n_query, n_key)
 
     def mark(self) -> tuple[int, int]:
         return (self.n_tokens, self.layers[0].length)

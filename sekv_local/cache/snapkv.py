@@ -46,7 +46,7 @@ import torch
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
-from .attention import chunk_causal_mask, gqa_attention
+from .attention import CausalBias, gqa_attention
 from .base import CachePolicy, register_policy
 from .budget import budget_tokens, resolve_budget_bytes
 from .scoring import (PROTECTED_RANK, UNSCORED_RANK, ScoredKV, attention_scores, drop_lowest,
@@ -109,8 +109,7 @@ class SnapKVCache(CachePolicy):
         except TypeError as exc:
             raise SekvError(f"{self.name}: {exc}") from None
         self.budget_spec = budget
-        self._bias_key: tuple[int, int] | None = None
-        self._bias: torch.Tensor | None = None
+        self._causal = CausalBias(self.device)
         self.reserve(config.context_length)
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -252,14 +251,7 @@ class SnapKVCache(CachePolicy):
         return drop_lowest(self.rank(store, next_pos), n_drop)
 
     def _causal_bias(self, n_query: int, n_key: int) -> torch.Tensor | None:
-        """Additive mask [1, T, S]: the chunk sits after every kept token (slots are in position order)."""
-        if n_query == 1:
-            return None
-        if self._bias_key != (n_query, n_key):
-            mask = chunk_causal_mask(n_query, n_key, self.device)
-            self._bias = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))[None]
-            self._bias_key = (n_query, n_key)
-        return self._bias
+        return self._causal(n_query, n_key)
 
     # -- rollback and accounting -----------------------------------------------------------------------
     def mark(self) -> Any:
