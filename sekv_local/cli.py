@@ -253,6 +253,8 @@ def chat(file: Path, no_tui: bool, **kw: Any) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True,
               help="Results folder (resumable: finished cells are skipped).")
 @click.option("--quick", is_flag=True, help="Smoke preset: 2 samples, 1k, niah_single (overrides those options).")
+@click.option("--plots-dir", type=click.Path(path_type=Path),
+              help="Write the PNG plots here instead of --out (e.g. docs/img/NAME); summary.md links them.")
 @click.option("--option", multiple=True, metavar="METHOD:KEY=VALUE",
               help="A method setting, e.g. sekv:zoom_k=32 (repeatable).")
 def bench(**kw: Any) -> None:

@@ -407,3 +407,15 @@ def test_paper_defaults() -> None:
     assert (cfg.window, cfg.pool_kernel, cfg.pool, cfg.question_aware) == (32, 5, "avg", False)
     assert pyramidkv.PyramidKVConfig().beta == 20.0
     assert chunkkv.ChunkKVConfig().chunk_size == 10
+
+
+def test_pyramid_budgets_capped_at_the_planned_length_keep_their_sum() -> None:
+    from sekv_local.cache.pyramidkv import cap_budgets
+
+    budgets = pyramid_budgets(800, 30, 20.0)  # bottom layers ask for ~2x the 870 tokens there are
+    capped = cap_budgets(budgets, 870)
+    assert max(capped) == 870
+    assert sum(capped) == sum(budgets)  # the excess goes to the top layers, not lost
+    assert capped == sorted(capped, reverse=True)  # still a pyramid
+    assert capped[-1] > budgets[-1]
+    assert cap_budgets([5, 5], 3) == [3, 3]  # every layer at the cap: the rest cannot be used

@@ -42,6 +42,21 @@ def test_quick_bench_writes_results_and_resumes(tmp_path: Path, model_path) -> N
     assert json.loads((out / "results.json").read_text())["records"] == records  # nothing recomputed
 
 
+@pytest.mark.slow
+def test_bench_records_a_budget_the_method_refuses_and_goes_on(tmp_path: Path, model_path) -> None:
+    from sekv_local.eval.runner import run_bench
+
+    config = BenchConfig(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"], methods=["sekv"],
+                         budgets=[0.05], threads=2, out=str(tmp_path / "b"))
+    paths = run_bench(config, show_progress=False)
+    results = json.loads(paths["results"].read_text())
+    assert results["records"] == []
+    assert len(results["refused"]) == 1 and "cannot hold even the minimum" in results["refused"][0]["reason"]
+    assert "## Refused cells" in paths["summary"].read_text()
+    run_bench(config, show_progress=False)  # resumed: the refused cell counts as done, not retried
+    assert len(json.loads(paths["results"].read_text())["refused"]) == 1
+
+
 def test_bench_config_validation() -> None:
     with pytest.raises(SekvError, match="unknown task"):
         BenchConfig(tasks=["nope"], lengths=[1024], samples=1, engines=["torch"], methods=["full"])

@@ -229,3 +229,17 @@ def test_write_report_without_records(tmp_path):
     paths = report.write_report({"config": {"command": "sekv-local bench"}, "records": []}, tmp_path)
     assert set(paths) == {"summary"}
     assert "No records." in paths["summary"].read_text()
+
+
+def test_write_report_puts_plots_in_plots_dir_and_lists_refused_cells(tmp_path):
+    refused = [rec(method="sekv", budget=0.125, length=2048, sample=s, reason="sekv: cannot hold even the minimum")
+               for s in range(2)]
+    results = {"config": {}, "records": synthetic_records(), "refused": refused}
+    paths = report.write_report(results, tmp_path / "rep", title="Synthetic bench", plots_dir=tmp_path / "img" / "x")
+    assert paths["depth_heatmap"] == tmp_path / "img" / "x" / "depth_heatmap.png"
+    assert_png(paths["depth_heatmap"])
+    assert not (tmp_path / "rep" / "depth_heatmap.png").exists()
+    md = paths["summary"].read_text()
+    assert "(../img/x/depth_heatmap.png)" in md
+    refused_rows = [line for line in md.splitlines() if line.startswith("| torch | sekv | 12.5% |")]
+    assert len(refused_rows) == 1 and "| 2k | 2 | sekv: cannot hold even the minimum |" in refused_rows[0]

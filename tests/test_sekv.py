@@ -96,6 +96,24 @@ def test_impossible_budget_is_refused_with_numbers() -> None:
         create_policy("sekv", CFG, Rope(CFG), budget=0.01).reserve(4000)
 
 
+def test_tight_budget_shrinks_the_zoom_pool_and_still_holds_the_budget() -> None:
+    rope = Rope(CFG)
+    n = 2000
+    roomy = create_policy("sekv", CFG, rope, budget=1.0, zoom_k=16, routing_dim=8)
+    roomy.reserve(n)
+    assert roomy.zoom_k == 16
+    tight = create_policy("sekv", CFG, rope, budget=0.45, zoom_k=16, routing_dim=8)
+    tight.reserve(n)  # fits only with a smaller zoom pool (same planner, no refusal)
+    assert 1 <= tight.zoom_k < 16
+    run(tight, n, tight.max_chunk_tokens())
+    with torch.inference_mode():
+        tight.begin_chunk(torch.arange(n, n + 1), False)
+        for layer in range(CFG.n_layers):
+            tight.attend(layer, torch.randn(4, 1, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16))
+        tight.end_chunk(torch.randn(1, 50), torch.tensor([3]))
+    assert tight.memory().device_peak_bytes <= 0.45 * CFG.full_kv_bytes(n)
+
+
 def test_factor_store_is_exact_at_full_rank_and_never_larger_than_raw() -> None:
     torch.manual_seed(0)
     lengths = torch.tensor([4, 10, 32, 17])

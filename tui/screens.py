@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Button, Footer, Header, ProgressBar, Static
+from textual.widgets import Button, Footer, ProgressBar, Static
 
 from .memories import SavedMemory, format_budget
 
@@ -46,6 +46,7 @@ class IngestScreen(Screen):
 
     DEFAULT_CSS = """
     IngestScreen { align: center middle; }
+    #ingest-header { dock: top; width: 100%; height: 1; background: $panel; content-align: center middle; }
     #ingest-box { width: 76; height: auto; border: round $accent; padding: 1 2; }
     #ingest-title { text-style: bold; margin-bottom: 1; }
     #ingest-bar { margin: 1 0; }
@@ -65,7 +66,10 @@ class IngestScreen(Screen):
         return self.app  # type: ignore[return-value]
 
     def compose(self) -> ComposeResult:
-        yield Header()
+        # not textual's Header: its title watchers outlive a popped screen and raise NoMatches when
+        # the app retitles itself right after reading (a race seen under load)
+        sub = f" — {self.app.sub_title}" if self.app.sub_title else ""
+        yield Static(f"{self.app.title}{sub}", id="ingest-header")
         with Vertical(id="ingest-box"):
             yield Static(self.title_text, id="ingest-title")
             yield Static(self.what, id="ingest-what")

@@ -8,6 +8,12 @@ b_l sum to n_layers * (C - w) exactly (rounded down, the remainder given to the 
 the device tier matches SnapKV's byte for byte at the same budget: bottom layers get larger tensors,
 top layers smaller ones. A prefill chunk larger than a top layer can take is processed by that layer
 in parts (`part_tokens`).
+
+Beyond the paper: the paper's budgets are far below the prompt length. At generous budgets the
+bottom layers' 2(C - w) - min would exceed the tokens there are to keep, and those bytes would sit
+unused while the top layers starve (at 95% of full KV the top layer kept ~5% of the document and
+lost the needle). `cap_budgets` clips every layer at the planned length and hands the excess to the
+layers under the cap in proportion to their pyramid share, so the shape is kept where it can be.
 """
 
 from __future__ import annotations
@@ -53,6 +59,33 @@ def pyramid_budgets(total: int, n_layers: int, beta: float) -> list[int]:
     return budgets
 
 
+def cap_budgets(budgets: list[int], cap: int) -> list[int]:
+    """Clip per-layer budgets at `cap` and redistribute the excess to the layers below it, in
+    proportion to their budgets (water-filling); the sum is kept unless every layer is at the cap."""
+    out = [float(b) for b in budgets]
+    total = float(sum(budgets))
+    while True:
+        capped = [i for i, b in enumerate(out) if b >= cap]
+        excess = sum(out[i] - cap for i in capped)
+        free = [i for i, b in enumerate(out) if b < cap]
+        for i in capped:
+            out[i] = float(cap)
+        if excess <= 1e-9 or not free:
+            break
+        share = sum(out[i] for i in free)
+        for i in free:
+            out[i] += excess * out[i] / share
+    result = [min(cap, math.floor(b)) for b in out]
+    short = min(int(total), cap * len(result)) - sum(result)
+    for i in sorted(range(len(result)), key=lambda i: -result[i]):  # rounding: fill the largest first
+        if short <= 0:
+            break
+        if result[i] < cap:
+            result[i] += 1
+            short -= 1
+    return result
+
+
 class PyramidKVCache(SnapKVCache):
     name = "pyramidkv"
     config_class = PyramidKVConfig
@@ -60,9 +93,10 @@ class PyramidKVCache(SnapKVCache):
     def min_tokens(self) -> int:
         return self.cfg.window + max(16, math.ceil(self.cfg.beta))
 
-    def layer_capacities(self, capacity: int) -> list[int]:
+    def layer_capacities(self, capacity: int, planned_tokens: int) -> list[int]:
         w = self.cfg.window
-        return [w + b for b in pyramid_budgets(capacity - w, self.config.n_layers, self.cfg.beta)]
+        budgets = pyramid_budgets(capacity - w, self.config.n_layers, self.cfg.beta)
+        return [w + b for b in cap_budgets(budgets, max(planned_tokens - w, 1))]
 
 
 @register_policy("pyramidkv")

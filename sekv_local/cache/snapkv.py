@@ -132,8 +132,9 @@ class SnapKVCache(CachePolicy):
     def min_tokens(self) -> int:
         return self.cfg.window + 16
 
-    def layer_capacities(self, capacity: int) -> list[int]:
-        """Tokens each layer keeps; SnapKV: the same in every layer."""
+    def layer_capacities(self, capacity: int, planned_tokens: int) -> list[int]:
+        """Tokens each layer keeps (`planned_tokens`: the length the budget was sized for); SnapKV:
+        the same in every layer."""
         return [capacity] * self.config.n_layers
 
     def part_tokens(self, layer: int) -> int:
@@ -157,7 +158,7 @@ class SnapKVCache(CachePolicy):
         self.chunk_tokens = max(1, int(self.capacity * self.cfg.chunk_fraction))
         c, w, dt = self.config, self.cfg.window, _DTYPES[self.cfg.dtype]
         self.layers = [ScoredKV(c.n_kv_heads, c.head_dim, cap, self.rows, dt, self.device)
-                       for cap in self.layer_capacities(self.capacity)]
+                       for cap in self.layer_capacities(self.capacity, n_tokens)]
         self.win_q = [torch.zeros(c.n_heads, w, c.head_dim, device=self.device) for _ in range(c.n_layers)]
         self.win_pos = [torch.full((w,), -1, dtype=torch.long, device=self.device) for _ in range(c.n_layers)]
         self.win_len = [0] * c.n_layers

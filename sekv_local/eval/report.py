@@ -15,6 +15,7 @@ global backend switch) is imported lazily by the plotting functions.
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -200,7 +201,8 @@ def _figure(n_panels: int, panel_w: float = 5.0, panel_h: float = 3.8, max_cols:
 
     ncols = max(1, min(n_panels, max_cols))
     nrows = max(1, -(-n_panels // ncols))
-    fig = Figure(figsize=(panel_w * ncols, panel_h * nrows + 1.2), layout="constrained", dpi=110)
+    # at least 9 in wide: a one-panel figure must still fit its title and a legend of many methods
+    fig = Figure(figsize=(max(panel_w * ncols, 9.0), panel_h * nrows + 1.2), layout="constrained", dpi=110)
     FigureCanvasAgg(fig)
     axes = list(np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel())
     for ax in axes[n_panels:]:
@@ -209,21 +211,25 @@ def _figure(n_panels: int, panel_w: float = 5.0, panel_h: float = 3.8, max_cols:
 
 
 def _title(title: str, records: Sequence[Record]) -> str:
-    models = _models(records)
+    models = [m for m in _models(records) if m not in title]
     return f"{title} - {', '.join(models)}" if models else title
 
 
 def _style_cycle() -> Callable[[int], dict]:
     colors = [f"C{i}" for i in range(10)]
     markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
-    return lambda i: {"color": colors[i % len(colors)], "marker": markers[i % len(markers)]}
+    styles = ["-", "--", "-.", ":"]
+    # methods with identical results draw on top of each other: later series get smaller markers
+    # (drawn concentrically on the earlier ones) and other dashes, so every one stays visible
+    return lambda i: {"color": colors[i % len(colors)], "marker": markers[i % len(markers)],
+                      "linestyle": styles[i % len(styles)], "markersize": max(13 - 0.9 * i, 3.5)}
 
 
 def _finish(fig, path: Path, title: str, handles: dict) -> Path:
     if handles:
         fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center",
                    ncols=min(len(handles), 3), fontsize="small", frameon=False)
-    fig.suptitle(title)
+    fig.suptitle(title, wrap=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
@@ -257,7 +263,7 @@ def plot_accuracy_by_length(records: list[Record], path: Path, title: str) -> Pa
             xs = sorted(k[0] for k in by_len)
             ys = [_accuracy(by_len[(x,)]) for x in xs]
             label = series_label(*s, with_model=multi)
-            (line,) = ax.plot(xs, ys, label=label, linewidth=1.6, markersize=5, **style(i))
+            (line,) = ax.plot(xs, ys, label=label, linewidth=1.6, **style(i))
             handles.setdefault(label, line)
         if lengths and lengths[0] > 0 and len(lengths) > 1:
             ax.set_xscale("log", base=2)
@@ -303,7 +309,7 @@ def plot_accuracy_vs_budget(records: list[Record], path: Path, title: str) -> Pa
             points.sort()
             x_max = max(x_max, points[-1][0])
             (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], label=label,
-                              linewidth=1.6, markersize=5, **style(i))
+                              linewidth=1.6, **style(i))
             handles.setdefault(label, line)
         _pct_axis(ax, "y")
         _pct_axis(ax, "x", top=x_max)
@@ -377,8 +383,24 @@ def _needs_budget_plot(records: Sequence[Record]) -> bool:
     return len(budgets) > 1 or any(r["method"] != "full" and r.get("budget") is not None for r in records)
 
 
-def write_report(results: dict, out_dir: Path, title: str = "sekv-local bench") -> dict[str, Path]:
-    """Write ``summary.md`` and the PNG plots for a ``results.json`` payload into ``out_dir``.
+def refused_section(refused: list[Record]) -> list[str]:
+    """Markdown lines listing the cells a method refused (its budget cannot hold its minimum at that
+    length), one row per (engine, method, budget, task, length), with the method's own reason."""
+    if not refused:
+        return []
+    groups = _group(refused, GROUP_KEYS)
+    body = [[engine, method, fmt_budget(budget), task, fmt_length(length), str(len(g)), g[0].get("reason", "")]
+            for (model, engine, method, budget, task, length), g in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))]
+    return ["## Refused cells", "",
+            "The method refused these up front (its minimum does not fit the budget at this length); "
+            "they are not counted in the accuracy above.", "",
+            *_md_table(["engine", "method", "budget", "task", "length", "samples", "reason"], body, right_from=5), ""]
+
+
+def write_report(results: dict, out_dir: Path, title: str = "sekv-local bench",
+                 plots_dir: Path | None = None) -> dict[str, Path]:
+    """Write ``summary.md`` and the PNG plots for a ``results.json`` payload into ``out_dir`` (the
+    plots into ``plots_dir`` when given; the summary links them by relative path).
 
     Returns ``{"summary": ..., "accuracy_by_length": ..., ["accuracy_vs_budget": ...],
     ["depth_heatmap": ...]}``; the budget plot is written only when budgets differ (or a
@@ -406,9 +428,12 @@ def write_report(results: dict, out_dir: Path, title: str = "sekv-local bench") 
         if any(r.get("depth") is not None for r in records):
             plots.append(("depth_heatmap", "accuracy by needle depth", plot_depth_heatmap))
         lines += ["## Plots", ""]
+        plot_dir = Path(plots_dir) if plots_dir is not None else out_dir
         for name, caption, plot in plots:
-            paths[name] = plot(records, out_dir / f"{name}.png", f"{title}: {caption}")
-            lines += [f"![{caption[0].upper() + caption[1:]}]({name}.png)", ""]
+            paths[name] = plot(records, plot_dir / f"{name}.png", f"{title}: {caption}")
+            link = Path(os.path.relpath(paths[name], out_dir)).as_posix()
+            lines += [f"![{caption[0].upper() + caption[1:]}]({link})", ""]
+    lines += refused_section(results.get("refused") or [])
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return {"summary": summary, **paths}

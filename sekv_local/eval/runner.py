@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from ..documents import Document
 from ..engines import EngineOptions, create_engine
 from ..engines.base import Engine
-from ..errors import SekvError
+from ..errors import BudgetError, SekvError
 from ..models.prompt import PromptBuilder
 from ..models.registry import resolve_model
 from ..models.tokenizer import Tokenizer
@@ -45,6 +45,7 @@ class BenchConfig:
     chunk_size: int = 1024
     out: str = "runs/bench"
     command: str = ""
+    plots_dir: str | None = None
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ class BenchConfig:
     @classmethod
     def from_cli(cls, tasks: str, lengths: str, samples: int, engines: str, methods_: str, budgets: str, model: str,
                  seed: int, threads: int | None, chunk_size: int, out: Path, quick: bool, command: str,
-                 option: tuple[str, ...] = ()) -> "BenchConfig":
+                 option: tuple[str, ...] = (), plots_dir: Path | None = None) -> "BenchConfig":
         def split(text: str) -> list[str]:
             return [p.strip() for p in text.split(",") if p.strip()]
 
@@ -78,7 +79,8 @@ class BenchConfig:
             budget_list.append(value)
         return cls(tasks=split(tasks), lengths=length_list, samples=samples, engines=split(engines),
                    methods=split(methods_), budgets=budget_list or [None], model=model, seed=seed, threads=threads,
-                   chunk_size=chunk_size, out=str(out), command=command, method_options=parse_method_options(option))
+                   chunk_size=chunk_size, out=str(out), command=command, method_options=parse_method_options(option),
+                   plots_dir=str(plots_dir) if plots_dir else None)
 
     def method_budgets(self) -> Iterator[tuple[str, float | None]]:
         for method in self.methods:
@@ -160,15 +162,16 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
-    results: dict[str, Any] = {"config": asdict(config), "records": []}
+    results: dict[str, Any] = {"config": asdict(config), "records": [], "refused": []}
     if results_path.exists():
         try:
             previous = json.loads(results_path.read_text())
-            results["records"] = [r for r in previous.get("records", []) if r.get("model") == config.model]
+            for part in ("records", "refused"):
+                results[part] = [r for r in previous.get(part, []) if r.get("model") == config.model]
         except (json.JSONDecodeError, OSError):
             print(f"warning: {results_path} is unreadable; starting it afresh", file=sys.stderr)
     done = {_cell_key(r["engine"], r["method"], r["budget"], r["task"], r["length"], r["sample"],
-                      r.get("method_options")) for r in results["records"]}
+                      r.get("method_options")) for r in results["records"] + results["refused"]}
 
     model_path = resolve_model(config.model, show_progress=show_progress)
     tokenizer = Tokenizer(model_path)
@@ -198,11 +201,6 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
         if engine_name == "llama.cpp-stock":  # llama.cpp allocates its whole context up front: size it
             options["n_ctx"] = -(-(length + ANSWER_RESERVE + 64) // 256) * 256
         key = (engine_name, method, budget, length if engine_name == "llama.cpp-stock" else None)
-        if key != engine_key:
-            engine = create_engine(engine_name, model_path, tokenizer, EngineOptions(
-                method=method, budget=budget, threads=config.threads, chunk_size=config.chunk_size,
-                method_options=options))
-            engine_key = key
         if (task, length) not in suites:
             suites[(task, length)] = generate_suite(task, length - overhead, config.samples, config.seed,
                                                     tokenizer.count)
@@ -211,16 +209,29 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
                                    threads=config.threads, chunk_size=config.chunk_size,
                                    method_options=tuple(sorted(options.items())))
         started = time.perf_counter()
-        records = run_sample(engine, sample, settings, model_path, MAX_NEW_TOKENS.get(task, 32))
+        cell = {"engine": engine_name, "method": method, "budget": budget, "model": config.model,
+                "method_options": config.method_options.get(method, {}), "task": task, "length": length,
+                "sample": i}
+        try:
+            if key != engine_key:
+                engine, engine_key = None, None
+                engine = create_engine(engine_name, model_path, tokenizer, EngineOptions(
+                    method=method, budget=budget, threads=config.threads, chunk_size=config.chunk_size,
+                    method_options=options))
+                engine_key = key
+            records = run_sample(engine, sample, settings, model_path, MAX_NEW_TOKENS.get(task, 32))
+        except BudgetError as exc:  # the method cannot run at this budget and length: say so in the report
+            results["refused"].append({**cell, "reason": str(exc)})
+            records = []
         for r in records:
-            r.update({"engine": engine_name, "method": method, "budget": budget, "model": config.model,
-                      "method_options": config.method_options.get(method, {}),
-                      "length": length, "sample": i, "wall_s": round(time.perf_counter() - started, 3)})
+            r.update({**cell, "wall_s": round(time.perf_counter() - started, 3)})
             scores.append(r["score"])
         results["records"].extend(records)
         _atomic_write_json(results_path, results)
-        bar.set_postfix_str(f"{engine_name}/{method}/{task}/{length}: acc {100 * sum(scores) / len(scores):.0f}%")
+        acc = f"acc {100 * sum(scores) / len(scores):.0f}%" if scores else "refused"
+        bar.set_postfix_str(f"{engine_name}/{method}/{task}/{length}: {acc}")
         bar.update(1)
     bar.close()
-    paths = write_report(results, out, title=f"sekv-local bench — {config.model}")
+    paths = write_report(results, out, title=f"sekv-local bench — {config.model}",
+                         plots_dir=Path(config.plots_dir) if config.plots_dir else None)
     return {"results": results_path, **paths}

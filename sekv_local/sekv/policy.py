@@ -31,6 +31,8 @@ from .segmentation import RunningStats, segment
 _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 # (l_min, l_max) ladder the budget planner climbs when summaries would not fit
 _SPAN_LADDER = (1, 2, 4)  # multipliers of l_min (capped at l_max / 2)
+_ZOOM_LADDER = (1, 2, 4)  # divisors of zoom_k tried when the budget is tight (a smaller zoom pool)
+_ROW_STEP = 16  # growth step of the device row buffers: their slack counts against the budget
 _POSITION_MARGIN = 64  # "bounded": far memory sits this far inside the trained window
 
 
@@ -66,17 +68,18 @@ class SekvCache(CachePolicy):
         dp = self.router.routing_dim
         pin = self.device.type == "cuda"
         dev = self.device
-        self.layers = [_Layer(RowBuffer(KV, D, dt, dev, 32), RowBuffer(KV, D, dt, dev, 32),
-                              RowBuffer(KV, D, dt, dev, 64), RowBuffer(KV, D, dt, dev, 64),
-                              RowBuffer(KV, D, dt, dev, 64), RowBuffer(KV, D, dt, dev, 64),
-                              RowBuffer(KV, dp, dt, dev, 64),
+        step = _ROW_STEP
+        self.layers = [_Layer(RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
+                              RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
+                              RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
+                              RowBuffer(KV, dp, dt, dev, step),
                               FactorStore(KV, D, dt, pin), FactorStore(KV, D, dt, pin))
                        for _ in range(config.n_layers)]
-        self.exact_pos = VecBuffer(torch.long, dev, 32)
-        self.pend_pos = VecBuffer(torch.long, dev, 64)
-        self.pend_surprisal = VecBuffer(torch.float32, dev, 64)
-        self.span_pos = VecBuffer(torch.long, dev, 64)
-        self.span_len = VecBuffer(torch.long, dev, 64)
+        self.exact_pos = VecBuffer(torch.long, dev, step)
+        self.pend_pos = VecBuffer(torch.long, dev, step)
+        self.pend_surprisal = VecBuffer(torch.float32, dev, step)
+        self.span_pos = VecBuffer(torch.long, dev, step)
+        self.span_len = VecBuffer(torch.long, dev, step)
         self.stats = RunningStats()
         self._prev_logprobs: torch.Tensor | None = None
         self._zoom_events: list[tuple[int, torch.Tensor]] = []
@@ -111,16 +114,20 @@ class SekvCache(CachePolicy):
         budget_tokens = self.budget_bytes // self.token_bytes
         self.recent = max(min(cfg.recent, int(0.15 * budget_tokens)), 8)
         self.chunk_tokens = int(min(1024, max(16, 0.25 * budget_tokens)))
-        for mult in _SPAN_LADDER:
-            l_min, l_max = min(cfg.l_min * mult, cfg.l_max // 2), cfg.l_max
-            self.l_min, self.l_max = l_min, l_max
-            # growth slack of the row buffers (exact 32 rows, pending 64, summaries 64) is allocated too
-            fixed = (cfg.n_sink + self.recent + self.chunk_tokens + l_max + 32 + 64) * self.token_bytes \
-                + 64 * self.span_bytes + self.zoom_pool_bytes()
-            spans = math.ceil(self.planned_tokens / ((l_min + l_max) / 2))
-            if fixed + spans * self.span_bytes <= self.budget_bytes:
-                self.fixed_bytes = fixed
-                return
+        # cheaper plans in turn: longer minimum spans (fewer summaries), then a smaller zoom pool
+        zooms = sorted({max(cfg.zoom_k // d, min(cfg.zoom_k, 1)) for d in _ZOOM_LADDER}, reverse=True)
+        for zoom_k in zooms:
+            self.zoom_k = zoom_k
+            for mult in _SPAN_LADDER:
+                l_min, l_max = min(cfg.l_min * mult, cfg.l_max // 2), cfg.l_max
+                self.l_min, self.l_max = l_min, l_max
+                # growth slack of the row buffers (exact and pending rows, summaries) is allocated too
+                fixed = (cfg.n_sink + self.recent + self.chunk_tokens + l_max + 2 * _ROW_STEP) * self.token_bytes \
+                    + _ROW_STEP * self.span_bytes + self.zoom_pool_bytes()
+                spans = math.ceil(self.planned_tokens / ((l_min + l_max) / 2))
+                if fixed + spans * self.span_bytes <= self.budget_bytes:
+                    self.fixed_bytes = fixed
+                    return
         best = fixed + spans * self.span_bytes  # the cheapest plan tried
         raise BudgetError(
             f"sekv: a budget of {self.budget_bytes / 2**20:.1f} MiB ({self.budget_bytes / full:.1%} of full KV for "
@@ -131,7 +138,7 @@ class SekvCache(CachePolicy):
     def zoom_pool_bytes(self) -> int:
         """One layer's rebuilt K and V rows (float32): the zoom working set of a step."""
         c = self.config
-        return 2 * c.n_kv_heads * self.cfg.zoom_k * self.l_max * c.head_dim * 4
+        return 2 * c.n_kv_heads * self.zoom_k * self.l_max * c.head_dim * 4
 
     def max_chunk_tokens(self) -> int:
         return self.chunk_tokens
@@ -198,7 +205,7 @@ class SekvCache(CachePolicy):
             sum_k = self._placed(L.sum_k.view(), centers)  # [KV, S, D]
             log_len = lengths.float().log()
             span_bias = log_len[None, None, :].expand(KV, 1, n_spans)
-            k_zoom = min(self.cfg.zoom_k, n_spans)
+            k_zoom = min(self.zoom_k, n_spans)
             if k_zoom:
                 chosen = self._route(layer, q, q_rot, sum_k, L, log_len, k_zoom)  # [KV, k], -1 = unused
                 valid = chosen >= 0
