@@ -243,3 +243,13 @@ def test_write_report_puts_plots_in_plots_dir_and_lists_refused_cells(tmp_path):
     assert "(../img/x/depth_heatmap.png)" in md
     refused_rows = [line for line in md.splitlines() if line.startswith("| torch | sekv | 12.5% |")]
     assert len(refused_rows) == 1 and "| 2k | 2 | sekv: cannot hold even the minimum |" in refused_rows[0]
+
+
+def test_turn_section_only_for_multi_turn_records():
+    assert report.turn_section(synthetic_records()) == []
+    records = [rec(task="multiturn_niah", sample=s, turn=t, score=float(t != 2 or s == 0))
+               for s in range(2) for t in range(3)]
+    lines = report.turn_section(records)
+    assert lines[0] == "## Accuracy by conversation turn"
+    assert "| turn 1 % | turn 2 % | turn 3 % |" in lines[2]
+    assert lines[4] == "| torch | full | - | multiturn_niah | 4k | 2 | 100.0 | 100.0 | 50.0 |"

@@ -28,7 +28,8 @@ def test_sekv_holds_a_quarter_of_full_kv_on_a_7k_document(tokenizer) -> None:
 
     answer = session.answer(sample.questions[0].text)
     after = answer.memory
-    print(f"7K document at {BUDGET:.0%}: device peak {prefill.device_peak_bytes / 2**20:.1f} MiB after prefill, "
+    print(f"{session.document_tokens}-token document at {BUDGET:.0%}: full KV after prefill "
+          f"{prefill.full_kv_bytes / 2**20:.1f} MiB, device peak {prefill.device_peak_bytes / 2**20:.1f} MiB after prefill, "
           f"{after['device_peak_bytes'] / 2**20:.1f} MiB after decode, host {after['host_bytes'] / 2**20:.1f} MiB, "
           f"full KV {after['full_kv_bytes'] / 2**20:.1f} MiB -> {answer.text!r}")
     assert answer.n_tokens >= 1

@@ -383,6 +383,25 @@ def _needs_budget_plot(records: Sequence[Record]) -> bool:
     return len(budgets) > 1 or any(r["method"] != "full" and r.get("budget") is not None for r in records)
 
 
+def turn_section(records: list[Record]) -> list[str]:
+    """Markdown lines with accuracy per conversation turn (only when some record is a later turn):
+    one row per (engine, method, budget, task, length), one column per turn."""
+    if not any(int(r.get("turn") or 0) > 0 for r in records):
+        return []
+    multi_turn = [r for r in records if r.get("turn") is not None]
+    turns = sorted({int(r["turn"]) for r in multi_turn})
+    groups = _group(multi_turn, SERIES_KEYS[1:] + ("task", "length"))
+    body = []
+    for key in sorted(groups, key=lambda k: _sort_key((None,) + k)):
+        engine, method, budget, task, length = key
+        by_turn = _group(groups[key], ["turn"])
+        cells = [_fmt_num(_accuracy(by_turn[(t,)])) if (t,) in by_turn else "-" for t in turns]
+        n = len(by_turn.get((turns[0],), []))
+        body.append([engine, method, fmt_budget(budget), task, fmt_length(length), str(n), *cells])
+    header = ["engine", "method", "budget", "task", "length", "n"] + [f"turn {t + 1} %" for t in turns]
+    return ["## Accuracy by conversation turn", "", *_md_table(header, body, right_from=5), ""]
+
+
 def refused_section(refused: list[Record]) -> list[str]:
     """Markdown lines listing the cells a method refused (its budget cannot hold its minimum at that
     length), one row per (engine, method, budget, task, length), with the method's own reason."""
@@ -433,6 +452,7 @@ def write_report(results: dict, out_dir: Path, title: str = "sekv-local bench",
             paths[name] = plot(records, plot_dir / f"{name}.png", f"{title}: {caption}")
             link = Path(os.path.relpath(paths[name], out_dir)).as_posix()
             lines += [f"![{caption[0].upper() + caption[1:]}]({link})", ""]
+    lines += turn_section(records)
     lines += refused_section(results.get("refused") or [])
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
