@@ -85,10 +85,7 @@ class FullCache(CachePolicy):
         store.append(self.rope.apply(k, self._positions, self._cos_sin), v)
         q_rot = self.rope.apply(q, self._positions, self._cos_sin)
         keys, values = store.keys(), store.values()
-        return gqa_attention(q_rot, keys, values, bias=self._causal_bias(q.shape[1], keys.shape[1]))
-
-    def _causal_bias(self, n_query: int, n_key: int) -> torch.Tensor | None:
-        return self._causal(n_query, n_key)
+        return gqa_attention(q_rot, keys, values, bias=self._causal(q.shape[1], keys.shape[1]))
 
     def mark(self) -> tuple[int, int]:
         return (self.n_tokens, self.layers[0].length)

@@ -26,7 +26,7 @@ import torch
 from ..errors import SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
-from .attention import chunk_causal_mask, gqa_attention
+from .attention import CausalBias, gqa_attention
 from .base import CachePolicy, register_policy
 
 QK = 32  # values per block (QK8_0 == QK4_0 == 32)
@@ -188,8 +188,7 @@ class QuantCache(CachePolicy):
                      for _ in range(config.n_layers)]
         self.values = [QuantRows(width, self.cfg.value_type, self.cfg.grow_tokens, self.device)
                        for _ in range(config.n_layers)]
-        self._bias_key: tuple[int, int] | None = None
-        self._bias: torch.Tensor | None = None
+        self._causal = CausalBias(self.device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         KV, T, D = k.shape
@@ -199,17 +198,7 @@ class QuantCache(CachePolicy):
         keys = self.keys[layer].dequantized().view(-1, KV, D).transpose(0, 1)
         values = self.values[layer].dequantized().view(-1, KV, D).transpose(0, 1)
         q_rot = self.rope.apply(q, self._positions, self._cos_sin)
-        return gqa_attention(q_rot, keys, values, bias=self._causal_bias(T, keys.shape[1]))
-
-    def _causal_bias(self, n_query: int, n_key: int) -> torch.Tensor | None:
-        """Additive causal mask [1, T, S], built once per chunk and shared by the layers."""
-        if n_query == 1:
-            return None
-        if self._bias_key != (n_query, n_key):
-            mask = chunk_causal_mask(n_query, n_key, self.device)
-            self._bias = torch.where(mask, 0.0, float("-inf"))[None]
-            self._bias_key = (n_query, n_key)
-        return self._bias
+        return gqa_attention(q_rot, keys, values, bias=self._causal(T, keys.shape[1]))
 
     def mark(self) -> tuple[int, int]:
         return (self.n_tokens, self.keys[0].length)

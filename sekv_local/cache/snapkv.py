@@ -193,7 +193,7 @@ class SnapKVCache(CachePolicy):
         if n_drop > 0:
             store.keep(~self.drop_mask(store, n_drop, int(positions[0])))
         store.append(k, v, positions, -1.0)  # -1 = not scored yet
-        out = gqa_attention(q, store.keys(), store.values(), bias=self._causal_bias(n_new, store.length))
+        out = gqa_attention(q, store.keys(), store.values(), bias=self._causal(n_new, store.length))  # chunk after every kept token
         self._push_window(layer, q, positions)
         if self._scoring:
             self._rescore(layer)
@@ -250,9 +250,6 @@ class SnapKVCache(CachePolicy):
     def drop_mask(self, store: ScoredKV, n_drop: int, next_pos: int) -> torch.Tensor:
         """Slots to evict [P, n] so that at least n_drop leave (exactly n_drop per KV head here)."""
         return drop_lowest(self.rank(store, next_pos), n_drop)
-
-    def _causal_bias(self, n_query: int, n_key: int) -> torch.Tensor | None:
-        return self._causal(n_query, n_key)
 
     # -- rollback and accounting -----------------------------------------------------------------------
     def mark(self) -> Any:

@@ -390,10 +390,10 @@ def turn_section(records: list[Record]) -> list[str]:
         return []
     multi_turn = [r for r in records if r.get("turn") is not None]
     turns = sorted({int(r["turn"]) for r in multi_turn})
-    groups = _group(multi_turn, SERIES_KEYS[1:] + ("task", "length"))
+    groups = _group(multi_turn, GROUP_KEYS)
     body = []
-    for key in sorted(groups, key=lambda k: _sort_key((None,) + k)):
-        engine, method, budget, task, length = key
+    for key in sorted(groups, key=_sort_key):
+        _, engine, method, budget, task, length = key
         by_turn = _group(groups[key], ["turn"])
         cells = [_fmt_num(_accuracy(by_turn[(t,)])) if (t,) in by_turn else "-" for t in turns]
         n = len(by_turn.get((turns[0],), []))
