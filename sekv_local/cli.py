@@ -244,7 +244,7 @@ def chat(file: Path, no_tui: bool, **kw: Any) -> None:
 @click.option("--samples", type=click.IntRange(1, 10000), default=5, show_default=True)
 @click.option("--engine", "engines", default="torch", show_default=True,
               help=f"Comma-separated engines ({', '.join(ENGINES)}).")
-@click.option("--method", "methods_", default="full", show_default=True, help="Comma-separated methods.")
+@click.option("--method", "methods_", default="full", show_default=True, help="Comma-separated methods; a variant sets options for its own rows, e.g. xkv@group=2.")
 @click.option("--budgets", default="", help="Comma-separated budgets for compressing methods (e.g. 0.125,0.25,0.5).")
 @click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True)
 @click.option("--seed", type=int, default=1, show_default=True, help="Base seed of the task suite.")
@@ -265,6 +265,41 @@ def bench(**kw: Any) -> None:
     config = BenchConfig.from_cli(**kw, command=" ".join(["sekv-local"] + sys.argv[1:]))
     paths = run_bench(config)
     click.echo(paths["summary"].read_text())
+    click.echo(f"written: {', '.join(str(p) for p in paths.values())}", err=True)
+
+
+@cli.group()
+def analyze() -> None:
+    """Look inside a model's KV cache."""
+
+
+@analyze.command("layers")
+@click.argument("file", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True)
+@click.option("--tokens", type=click.IntRange(64, 32768), default=2048, show_default=True,
+              help="Tokens of the text to feed.")
+@click.option("--threads", type=click.IntRange(1, 256), help="CPU threads (default: all cores).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/layers"),
+              show_default=True, help="Folder for layer_similarity.json and .png.")
+def analyze_layers(file: Path | None, model: str, tokens: int, threads: int | None, out: Path) -> None:
+    """Token cosine and CKA between the layers' KV caches on FILE (default: Python's own docs prose):
+    why sharing one SVD basis across adjacent layers (xKV) works, or does not, for a model."""
+    from .documents import read_document
+    from .eval import layer_similarity
+    from .eval.tasks import natural_text
+
+    text = read_document(file).text if file else natural_text()
+    result = layer_similarity.measure(text, model, tokens, threads)
+    n = result.key_cka.shape[0]
+    click.echo(f"{model}: {result.tokens} tokens, {n} layers; mean over adjacent layer pairs:")
+    for name, value in result.adjacent().items():
+        click.echo(f"  {name.replace('_', ' '):14s} {value:.3f}")
+    click.echo("per layer l (l, l+1):  " + "  ".join(f"{name.split('_')[0][0]}-{name.split('_')[1]}"
+                                                    for name in result.matrices()))
+    for layer in range(n - 1):
+        click.echo(f"  {layer:2d}-{layer + 1:<2d}  " + "  ".join(f"{m[layer, layer + 1]:8.3f}"
+                                                          for m in result.matrices().values()))
+    paths = layer_similarity.write(result, out, f"KV similarity between layers - {model}, {result.tokens} tokens")
     click.echo(f"written: {', '.join(str(p) for p in paths.values())}", err=True)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .errors import SekvError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: "bounds" router rows per layer
 HEADER_KEY = "sekv_local"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sekv_local.errors import SekvError
-from sekv_local.eval.runner import BenchConfig, parse_method_options
+from sekv_local.eval.runner import BenchConfig, parse_method_options, split_variant
 
 
 @pytest.mark.slow
@@ -67,3 +67,17 @@ def test_bench_config_validation() -> None:
         "sekv": {"zoom_k": 32, "router": "projection"}, "snapkv": {"window": 64}}
     with pytest.raises(SekvError, match="METHOD:KEY=VALUE"):
         parse_method_options(["zoom_k=32"])
+
+
+def test_method_variants_carry_their_own_options() -> None:
+    config = BenchConfig(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"],
+                         methods=["full", "xkv@group=2", "xkv@group=4@reconstruct=dense"], budgets=[0.25],
+                         method_options=parse_method_options(["xkv:v_share=0.5", "xkv:group=1"]))
+    assert split_variant("xkv@group=2@energy=0.9") == ("xkv", {"group": 2, "energy": 0.9})
+    # --option gives the base method's settings; a variant's own settings win
+    assert config.options_of("xkv@group=2") == {"v_share": 0.5, "group": 2}
+    assert config.options_of("xkv@group=4@reconstruct=dense") == {"v_share": 0.5, "group": 4, "reconstruct": "dense"}
+    assert list(config.method_budgets()) == [("full", None), ("xkv@group=2", 0.25),
+                                             ("xkv@group=4@reconstruct=dense", 0.25)]
+    with pytest.raises(SekvError, match="METHOD@KEY=VALUE"):
+        BenchConfig(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"], methods=["xkv@group"])

@@ -199,3 +199,17 @@ def test_bounded_positions_keep_every_distance_inside_the_trained_window() -> No
     assert sekv._shift > 0 and all(torch.isfinite(o).all() for o in outs)
     # every query (hence every query-key distance: keys are clamped at >= 0) stays inside the window
     assert max(query_positions) < 256 and sekv.span_len.length > 10
+
+
+def test_bound_scores_never_fall_below_any_token_of_the_span() -> None:
+    from sekv_local.sekv.router import bound_scores, key_bounds
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 5, 8, 16, generator=g)  # [KV, S, l, D]
+    valid = torch.arange(8)[None, :] < torch.tensor([8, 3, 5, 1, 8])[:, None]
+    q = torch.randn(2, 4, 16, generator=g)  # one query head per KV head
+    bound = bound_scores(q, key_bounds(keys, valid))  # [2, 4, 5]
+    exact = torch.einsum("htd,hsld->htsl", q, keys).masked_fill(~valid[None, None], float("-inf")).amax(-1)
+    assert torch.all(bound >= exact - 1e-5)
+    # a one-token span's bound is that token's score exactly
+    assert torch.allclose(bound[..., 3], exact[..., 3], atol=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -61,3 +63,28 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         attn_mask = mask
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=attn_mask,
                                           enable_gqa=n_heads != n_kv)[0]
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [H, T, D] over k/v [KV, S, D] (GQA) that also returns the log-sum-exp of
+    the logits [H, T], so results over disjoint key blocks can be merged (:func:`merge_attention`).
+    bias: float [KV or H, T or 1, S]. Rows whose keys are all masked give output 0 and lse -inf."""
+    n_heads, n_kv = q.shape[0], k.shape[0]
+    group = n_heads // n_kv
+    kk = k.float().repeat_interleave(group, dim=0)
+    vv = v.float().repeat_interleave(group, dim=0)
+    logits = q.float() @ kk.transpose(1, 2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        logits = logits + (bias.repeat_interleave(group, dim=0) if bias.shape[0] == n_kv and group > 1 else bias)
+    lse = torch.logsumexp(logits, dim=-1)  # [H, T]
+    weights = torch.exp(logits - lse.clamp_min(-1e30)[..., None]).nan_to_num_(0.0)
+    return weights @ vv, lse
+
+
+def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One softmax over the union of key blocks from per-block (output [H, T, D], lse [H, T]) pairs."""
+    lses = torch.stack([lse for _, lse in parts])  # [B, H, T]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total.clamp_min(-1e30)).nan_to_num_(0.0)  # [B, H, T]
+    return sum(w[..., None] * out for w, (out, _) in zip(weights, parts))

@@ -54,6 +54,8 @@ class BenchConfig:
             raise SekvError(f"unknown task(s) {', '.join(unknown)} (available: {', '.join(TASKS)})")
         if not self.tasks or not self.lengths or not self.engines or not self.methods:
             raise SekvError("bench needs at least one task, length, engine and method")
+        for method in self.methods:
+            split_variant(method)  # a malformed variant fails here, before any work
 
     @classmethod
     def from_cli(cls, tasks: str, lengths: str, samples: int, engines: str, methods_: str, budgets: str, model: str,
@@ -82,9 +84,14 @@ class BenchConfig:
                    chunk_size=chunk_size, out=str(out), command=command, method_options=parse_method_options(option),
                    plots_dir=str(plots_dir) if plots_dir else None)
 
+    def options_of(self, method: str) -> dict[str, Any]:
+        """Options of a method label: --option settings of its base method, then the variant's own."""
+        base, variant = split_variant(method)
+        return {**self.method_options.get(base, {}), **variant}
+
     def method_budgets(self) -> Iterator[tuple[str, float | None]]:
         for method in self.methods:
-            if method in UNBUDGETED:
+            if split_variant(method)[0] in UNBUDGETED:
                 yield method, None
             else:
                 for budget in self.budgets:
@@ -100,6 +107,19 @@ def _option_value(text: str) -> Any:
         except ValueError:
             pass
     return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def split_variant(label: str) -> tuple[str, dict[str, Any]]:
+    """A method variant for one run: "xkv@group=2@energy=0.9" -> ("xkv", {"group": 2, "energy": 0.9}).
+    The whole label names the variant's rows in the report."""
+    base, *assignments = label.split("@")
+    options: dict[str, Any] = {}
+    for assignment in assignments:
+        key, eq, value = assignment.partition("=")
+        if not eq or not key.strip():
+            raise SekvError(f"method variant '{label}' must look like METHOD@KEY=VALUE (e.g. xkv@group=2)")
+        options[key.strip()] = _option_value(value.strip())
+    return base.strip(), options
 
 
 def parse_method_options(items: tuple[str, ...] | list[str]) -> dict[str, dict[str, Any]]:
@@ -182,14 +202,14 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
     plan = []
     for engine_name in config.engines:
         for method, budget in config.method_budgets():
-            if engine_name == "llama.cpp-stock" and method not in STOCK_METHODS:
+            if engine_name == "llama.cpp-stock" and split_variant(method)[0] not in STOCK_METHODS:
                 print(f"skipping {method} on {engine_name} (it runs {', '.join(STOCK_METHODS)})", file=sys.stderr)
                 continue
             for length in config.lengths:
                 for task in config.tasks:
                     for i in range(config.samples):
                         if _cell_key(engine_name, method, budget, task, length, i,
-                                     config.method_options.get(method)) not in done:
+                                     config.options_of(method)) not in done:
                             plan.append((engine_name, method, budget, length, task, i))
     bar = tqdm(total=len(plan), desc="bench", unit="sample", disable=not show_progress, file=sys.stderr,
                dynamic_ncols=True)
@@ -197,7 +217,8 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
     engine_key = None
     scores: list[float] = []
     for engine_name, method, budget, length, task, i in plan:
-        options = dict(config.method_options.get(method, {}))
+        base_method = split_variant(method)[0]
+        options = config.options_of(method)
         if engine_name == "llama.cpp-stock":  # llama.cpp allocates its whole context up front: size it
             options["n_ctx"] = -(-(length + ANSWER_RESERVE + 64) // 256) * 256
         key = (engine_name, method, budget, length if engine_name == "llama.cpp-stock" else None)
@@ -205,18 +226,18 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
             suites[(task, length)] = generate_suite(task, length - overhead, config.samples, config.seed,
                                                     tokenizer.count)
         sample = suites[(task, length)][i]
-        settings = SessionSettings(model=config.model, engine=engine_name, method=method, budget=budget,
+        settings = SessionSettings(model=config.model, engine=engine_name, method=base_method, budget=budget,
                                    threads=config.threads, chunk_size=config.chunk_size,
                                    method_options=tuple(sorted(options.items())))
         started = time.perf_counter()
         cell = {"engine": engine_name, "method": method, "budget": budget, "model": config.model,
-                "method_options": config.method_options.get(method, {}), "task": task, "length": length,
+                "method_options": config.options_of(method), "task": task, "length": length,
                 "sample": i}
         try:
             if key != engine_key:
                 engine, engine_key = None, None
                 engine = create_engine(engine_name, model_path, tokenizer, EngineOptions(
-                    method=method, budget=budget, threads=config.threads, chunk_size=config.chunk_size,
+                    method=base_method, budget=budget, threads=config.threads, chunk_size=config.chunk_size,
                     method_options=options))
                 engine_key = key
             records = run_sample(engine, sample, settings, model_path, MAX_NEW_TOKENS.get(task, 32))

@@ -176,6 +176,11 @@ def _pydoc_paragraphs() -> tuple[tuple[str, ...], ...]:
 
 
 @lru_cache(maxsize=1)
+def natural_text(max_chars: int = 200_000) -> str:
+    """Plain English prose (CPython's own documentation, cleaned), paragraphs separated by blank lines."""
+    return "\n\n".join(" ".join(p) for p in _pydoc_paragraphs())[:max_chars]
+
+
 def _pydoc_corpus() -> _Corpus:
     """The pydoc prose as words; paragraphs end with a blank line; offsets at paragraph starts."""
     pieces: list[str] = []

@@ -69,6 +69,12 @@ class RowBuffer:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def shrink(self) -> None:
+        """Give back capacity beyond the next growth step (after a burst such as a prefill chunk)."""
+        capacity = -(-self.length // self.step) * self.step
+        if capacity < self.data.shape[1]:
+            self.data = self.data[:, :capacity].clone()
+
     def view(self) -> torch.Tensor:
         return self.data[:, : self.length]
 

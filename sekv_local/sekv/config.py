@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import SekvError
 
 POSITION_STRATEGIES = ("original", "bounded")
-ROUTERS = ("projection", "attention")
+ROUTERS = ("projection", "attention", "bounds")
 
 
 @dataclass(frozen=True)
@@ -21,13 +21,18 @@ class SekvConfig:
     recent: most recent tokens kept exact (document tail, question, generated tokens).
     anchor_fraction: at most this fraction of compressed tokens stays exact as anchors (high-surprisal
         boundary tokens); the budget may lower it further.
-    zoom_k: spans rebuilt per layer and KV head per step (hard top-k: the zoom pool's size).
+    zoom_k: spans rebuilt per layer and KV head per step (hard top-k: the zoom pool's size); "auto" sizes the
+        pool to fill the device budget left after summaries and exact rows (capped by the number of spans).
     energy: SVD rank per span = smallest rank keeping this fraction of the squared singular values.
     max_rank: rank cap per span.
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
     router: "projection" (DESIGN §5.4 formula through the Router module) or "attention" (zoom where the
-        coarse summary rows get the most attention logit; training-free).
+        coarse summary rows get the most attention logit; training-free) or "bounds" (Quest-style: per span
+        the element-wise min and max of its keys give an upper bound of q.k over its tokens; 2*head_dim more
+        device values per span and KV head, training-free).
+    summary_bias: multiplier of the +log|S| bias of unexpanded spans' summary rows (1 = DESIGN §5.5;
+        0 = drop unexpanded spans from attention, an ablation).
     positions: "original" keeps every token's own position; "bounded" places all memory (spans,
         anchors) at positions inside the trained window (InfLLM-style), for documents longer than it.
     dtype: storage type of exact K/V, summaries and host factors.
@@ -39,12 +44,13 @@ class SekvConfig:
     n_sink: int = 4
     recent: int = 128
     anchor_fraction: float = 0.05
-    zoom_k: int = 16
-    energy: float = 0.99
+    zoom_k: int | str = "auto"
+    energy: float = 0.999
     max_rank: int = 32
     routing_dim: int = 32
     threshold: float = 0.05
     router: str = "attention"
+    summary_bias: float = 1.0
     positions: str = "original"
     dtype: str = "f16"
 
@@ -58,11 +64,13 @@ class SekvConfig:
         need(self.l_max >= 2 * self.l_min, "l_max must be >= 2 * l_min (so long spans split into valid spans)")
         need(self.n_sink >= 0 and self.recent >= 1, "n_sink >= 0 and recent >= 1")
         need(0 <= self.anchor_fraction <= 1, "anchor_fraction must be in [0, 1]")
-        need(self.zoom_k >= 0, "zoom_k must be >= 0")
+        need(self.zoom_k == "auto" or (isinstance(self.zoom_k, int) and self.zoom_k >= 0),
+             "zoom_k must be 'auto' or an integer >= 0")
         need(0 < self.energy <= 1, "energy must be in (0, 1]")
         need(self.max_rank >= 1, "max_rank must be >= 1")
         need(self.routing_dim >= 2 and self.routing_dim % 2 == 0, "routing_dim must be an even number >= 2")
         need(0 < self.threshold < 1, "threshold must be in (0, 1)")
+        need(self.summary_bias >= 0, "summary_bias must be >= 0")
         need(self.router in ROUTERS, f"router must be one of {ROUTERS}")
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
         need(self.dtype in ("f16", "bf16", "f32"), "dtype must be f16, bf16 or f32")

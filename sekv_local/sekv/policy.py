@@ -25,13 +25,14 @@ from ..models.rope import Rope
 from .buffers import RowBuffer, VecBuffer
 from .config import SekvConfig
 from .factors import FactorStore
-from .router import Router
+from .router import Router, bound_scores, key_bounds
 from .segmentation import RunningStats, segment
 
 _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 # (l_min, l_max) ladder the budget planner climbs when summaries would not fit
 _SPAN_LADDER = (1, 2, 4)  # multipliers of l_min (capped at l_max / 2)
 _ZOOM_LADDER = (1, 2, 4)  # divisors of zoom_k tried when the budget is tight (a smaller zoom pool)
+_AUTO_MIN_ZOOM = 16  # "auto" zoom: coarser spans are tried while the pool would hold fewer spans than this
 _ROW_STEP = 16  # growth step of the device row buffers: their slack counts against the budget
 _POSITION_MARGIN = 64  # "bounded": far memory sits this far inside the trained window
 
@@ -45,6 +46,7 @@ class _Layer:
     sum_k: RowBuffer
     sum_v: RowBuffer
     route_k: RowBuffer
+    bound_k: RowBuffer  # "bounds" router: per span [min | max] of its post-RoPE keys, [KV, S, 2D]
     fac_k: FactorStore
     fac_v: FactorStore
 
@@ -54,7 +56,8 @@ class SekvCache(CachePolicy):
     needs_all_logits = True
 
     def __init__(self, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu",
-                 budget: float | int | None = 0.25, router: Router | None = None, **options: Any) -> None:
+                 budget: float | int | None = 0.25, router_module: Router | None = None,
+                 **options: Any) -> None:
         super().__init__(config, rope, device)
         self.cfg = SekvConfig.from_options(options)
         if budget is None:
@@ -62,7 +65,8 @@ class SekvCache(CachePolicy):
         if isinstance(budget, float) and not 0 < budget <= 1:
             raise SekvError(f"sekv: a fractional budget must be in (0, 1], got {budget}")
         self.budget_spec = budget
-        self.router = router if router is not None else Router(config, self.cfg)
+        self.router = router_module if router_module is not None else Router(config, self.cfg)
+        self._bounds = self.cfg.router == "bounds"
         dt = _DTYPES[self.cfg.dtype]
         KV, D = config.n_kv_heads, config.head_dim
         dp = self.router.routing_dim
@@ -72,7 +76,7 @@ class SekvCache(CachePolicy):
         self.layers = [_Layer(RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
                               RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
                               RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
-                              RowBuffer(KV, dp, dt, dev, step),
+                              RowBuffer(KV, dp, dt, dev, step), RowBuffer(KV, 2 * D, dt, dev, step),
                               FactorStore(KV, D, dt, pin), FactorStore(KV, D, dt, pin))
                        for _ in range(config.n_layers)]
         self.exact_pos = VecBuffer(torch.long, dev, step)
@@ -99,7 +103,7 @@ class SekvCache(CachePolicy):
     def span_bytes(self) -> int:
         """Device bytes of one span over all layers: summary K, V and routing key per KV head + metadata."""
         c = self.config
-        width = 2 * c.head_dim + self.router.routing_dim
+        width = 2 * c.head_dim + self.router.routing_dim + (2 * c.head_dim if self._bounds else 0)
         return c.n_layers * c.n_kv_heads * width * _DTYPES[self.cfg.dtype].itemsize + 16
 
     def reserve(self, n_tokens: int) -> None:
@@ -115,19 +119,37 @@ class SekvCache(CachePolicy):
         self.recent = max(min(cfg.recent, int(0.15 * budget_tokens)), 8)
         self.chunk_tokens = int(min(1024, max(16, 0.25 * budget_tokens)))
         # cheaper plans in turn: longer minimum spans (fewer summaries), then a smaller zoom pool
-        zooms = sorted({max(cfg.zoom_k // d, min(cfg.zoom_k, 1)) for d in _ZOOM_LADDER}, reverse=True)
+        auto = cfg.zoom_k == "auto"
+        zooms = [None] if auto else sorted({max(cfg.zoom_k // d, min(cfg.zoom_k, 1)) for d in _ZOOM_LADDER}, reverse=True)
+        fallback = None
         for zoom_k in zooms:
-            self.zoom_k = zoom_k
             for mult in _SPAN_LADDER:
                 l_min, l_max = min(cfg.l_min * mult, cfg.l_max // 2), cfg.l_max
                 self.l_min, self.l_max = l_min, l_max
                 # growth slack of the row buffers (exact and pending rows, summaries) is allocated too
-                fixed = (cfg.n_sink + self.recent + self.chunk_tokens + l_max + 2 * _ROW_STEP) * self.token_bytes \
-                    + _ROW_STEP * self.span_bytes + self.zoom_pool_bytes()
+                base = (cfg.n_sink + self.recent + self.chunk_tokens + l_max + 2 * _ROW_STEP) * self.token_bytes \
+                    + _ROW_STEP * self.span_bytes
                 spans = math.ceil(self.planned_tokens / ((l_min + l_max) / 2))
+                if auto:  # the zoom pool takes what the summaries leave, up to every span
+                    self.zoom_k = 1
+                    fit = (self.budget_bytes - base - spans * self.span_bytes) // self.zoom_pool_bytes()
+                    self.zoom_k = int(min(fit, spans))
+                    if self.zoom_k < min(_AUTO_MIN_ZOOM, spans):
+                        if self.zoom_k >= 1 and fallback is None:
+                            fallback = (l_min, self.zoom_k)
+                        continue
+                else:
+                    self.zoom_k = zoom_k
+                fixed = base + self.zoom_pool_bytes()
                 if fixed + spans * self.span_bytes <= self.budget_bytes:
                     self.fixed_bytes = fixed
                     return
+        if fallback is not None:  # a small pool with fine spans beats no plan at all
+            self.l_min, self.zoom_k = fallback
+            self.fixed_bytes = base + self.zoom_pool_bytes()  # base does not depend on l_min
+            return
+        self.zoom_k = max(self.zoom_k, 1)
+        fixed = base + self.zoom_pool_bytes()
         best = fixed + spans * self.span_bytes  # the cheapest plan tried
         raise BudgetError(
             f"sekv: a budget of {self.budget_bytes / 2**20:.1f} MiB ({self.budget_bytes / full:.1%} of full KV for "
@@ -205,6 +227,9 @@ class SekvCache(CachePolicy):
             sum_k = self._placed(L.sum_k.view(), centers)  # [KV, S, D]
             log_len = lengths.float().log()
             span_bias = log_len[None, None, :].expand(KV, 1, n_spans)
+            if self.cfg.summary_bias != 1.0:
+                span_bias = span_bias * self.cfg.summary_bias if self.cfg.summary_bias > 0 \
+                    else torch.full_like(span_bias, float("-inf"))
             k_zoom = min(self.zoom_k, n_spans)
             if k_zoom:
                 chosen = self._route(layer, q, q_rot, sum_k, L, log_len, k_zoom)  # [KV, k], -1 = unused
@@ -232,6 +257,12 @@ class SekvCache(CachePolicy):
         """Spans to rebuild per KV head [KV, k] (-1 where fewer pass the threshold)."""
         H, KV = q.shape[0], self.config.n_kv_heads
         G = H // KV
+        if self._bounds:
+            # Quest-style upper bound of q.k over the span's tokens at their original positions
+            q_own = self.rope.apply(q, self._positions, self._k_cos_sin) if self._shift else q_rot
+            bound = bound_scores(q_own, L.bound_k.view().repeat_interleave(G, dim=0))  # [H, T, S]
+            score = bound.view(KV, G, -1, bound.shape[-1]).amax(dim=(1, 2))
+            return torch.topk(score, k_zoom, dim=-1).indices
         if self.cfg.router == "attention":
             logits = q_rot @ sum_k_rot.repeat_interleave(G, dim=0).transpose(1, 2) / math.sqrt(q.shape[-1])
             score = (logits + log_len).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))  # [KV, S]
@@ -301,6 +332,8 @@ class SekvCache(CachePolicy):
         centers = pos[seg.span_start] + seg.span_len // 2
         unrotate = self.rope.cos_sin(-pos)
         for layer_no, layer in enumerate(self.layers):
+            if self._bounds:
+                layer.bound_k.append(key_bounds(layer.pend_k.view()[:, idx].float(), in_span))  # own positions
             keys_pre = self.rope.apply(layer.pend_k.view()[:, :region].float(), -pos, unrotate)
             for x, summary, store, is_key in ((keys_pre, layer.sum_k, layer.fac_k, True),
                                               (layer.pend_v.view()[:, :region].float(), layer.sum_v, layer.fac_v, False)):
@@ -374,7 +407,7 @@ class SekvCache(CachePolicy):
         for layer, (pk, pv) in zip(self.layers, mark["pend"]):
             layer.exact_k.truncate(mark["exact"])
             layer.exact_v.truncate(mark["exact"])
-            for buf in (layer.sum_k, layer.sum_v, layer.route_k):
+            for buf in (layer.sum_k, layer.sum_v, layer.route_k, layer.bound_k):
                 buf.truncate(mark["spans"])
             layer.fac_k.truncate(mark["spans"])
             layer.fac_v.truncate(mark["spans"])
@@ -385,7 +418,7 @@ class SekvCache(CachePolicy):
 
     # -- persistence -------------------------------------------------------------------------------
     _GLOBAL = ("exact_pos", "pend_pos", "pend_surprisal", "span_pos", "span_len")
-    _LAYER = ("exact_k", "exact_v", "pend_k", "pend_v", "sum_k", "sum_v", "route_k")
+    _LAYER = ("exact_k", "exact_v", "pend_k", "pend_v", "sum_k", "sum_v", "route_k", "bound_k")
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {name: getattr(self, name).view() for name in self._GLOBAL}
@@ -412,7 +445,8 @@ class SekvCache(CachePolicy):
             layer.fac_v.import_state(tensors, f"L{i}.fac_v")
             if not (layer.exact_k.length == layer.exact_v.length == self.exact_pos.length
                     and layer.pend_k.length == layer.pend_v.length == self.pend_pos.length
-                    and layer.sum_k.length == layer.route_k.length == self.span_len.length == layer.fac_k.n_spans):
+                    and layer.sum_k.length == layer.route_k.length == self.span_len.length == layer.fac_k.n_spans
+                    and layer.bound_k.length == (self.span_len.length if self._bounds else 0)):
                 raise ValueError(f"layer {i}: row counts disagree with the saved positions")
         self.router.load_state_dict({k[len("router."):]: v for k, v in tensors.items() if k.startswith("router.")})
         self._prev_logprobs = tensors.get("prev_logprobs")
@@ -424,7 +458,7 @@ class SekvCache(CachePolicy):
     def device_tensors(self, layer: int) -> list[torch.Tensor]:
         L = self.layers[layer]
         tensors = [L.exact_k.data, L.exact_v.data, L.pend_k.data, L.pend_v.data, L.sum_k.data, L.sum_v.data,
-                   L.route_k.data]
+                   L.route_k.data, L.bound_k.data]
         if layer == 0:
             tensors += [self.exact_pos.data, self.pend_pos.data, self.pend_surprisal.data, self.span_pos.data,
                         self.span_len.data]

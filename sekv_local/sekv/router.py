@@ -63,3 +63,18 @@ class Router(nn.Module):
     def thresholds(self, layer: int) -> torch.Tensor:
         """Per-head zoom thresholds as logits [H] (compare with relevance logits)."""
         return self.threshold_logit[layer]
+
+
+def key_bounds(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Element-wise [min | max] of each span's keys: keys [KV, S, l, D], valid [S, l] -> [KV, S, 2D]."""
+    inside = valid[None, :, :, None]
+    lo = torch.where(inside, keys, float("inf")).amin(dim=2)
+    hi = torch.where(inside, keys, float("-inf")).amax(dim=2)
+    return torch.cat([lo, hi], dim=-1)
+
+
+def bound_scores(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Quest-style upper bound of q.k over each span's tokens: q [H, T, D], bounds [H, S, 2D] -> [H, T, S].
+    For every token k of span s, q.k <= sum_d max(q_d lo_d, q_d hi_d)."""
+    lo, hi = bounds.float().split(q.shape[-1], dim=-1)
+    return q.clamp_min(0) @ hi.transpose(1, 2) + q.clamp_max(0) @ lo.transpose(1, 2)
