@@ -35,10 +35,11 @@ def run(policy, n_tokens: int, chunk: int, seed: int = 0) -> list[torch.Tensor]:
     return outs
 
 
-def test_mixed_attention_is_exact_when_every_span_is_rebuilt_at_full_rank() -> None:
+@pytest.mark.parametrize("method", ["sekv", "sekv+xkv"])
+def test_mixed_attention_is_exact_when_every_span_is_rebuilt_at_full_rank(method: str) -> None:
     rope = Rope(CFG)
     full = create_policy("full", CFG, rope, dtype="f32")
-    sekv = create_policy("sekv", CFG, rope, budget=10 ** 9, zoom_k=200, energy=1.0, max_rank=64, dtype="f32",
+    sekv = create_policy(method, CFG, rope, budget=10 ** 9, zoom_k=200, energy=1.0, max_rank=64, dtype="f32",
                          recent=16, l_min=4, l_max=8, anchor_fraction=0.2, n_sink=2)
     sekv.reserve(600)
     expected, got = run(full, 600, 64), run(sekv, 600, 64)
@@ -213,3 +214,32 @@ def test_bound_scores_never_fall_below_any_token_of_the_span() -> None:
     assert torch.all(bound >= exact - 1e-5)
     # a one-token span's bound is that token's score exactly
     assert torch.allclose(bound[..., 3], exact[..., 3], atol=1e-5)
+
+
+def test_shared_span_factors_are_one_store_per_window_and_smaller_when_layers_agree() -> None:
+    """sekv+xkv: with both layers' keys and values drawn from one low-rank token basis, a joint SVD per
+    span needs one basis where per-layer, per-head factors need one each: fewer host bytes."""
+    rope = Rope(CFG)
+    basis = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)
+    stores = {}
+    for method in ("sekv", "sekv+xkv"):
+        policy = create_policy(method, CFG, rope, budget=10 ** 9, zoom_k=4, energy=0.9999, dtype="f32", recent=16,
+                               l_min=16, l_max=32, n_sink=0, anchor_fraction=0.0)
+        policy.reserve(400)
+        gen.manual_seed(6)
+        with torch.inference_mode():
+            for start in range(0, 400, 100):
+                policy.begin_chunk(torch.arange(start, start + 100), True)
+                coeff = torch.randn(100, 3, generator=gen)  # shared by the layers: the same token basis
+                for layer in range(CFG.n_layers):
+                    mix = torch.randn(2, 16, 16, generator=gen)  # each layer and head: its own block
+                    kv = torch.einsum("tr,rd,hde->hte", coeff, basis, mix)
+                    policy.attend(layer, torch.randn(4, 100, 16, generator=gen), kv, kv.flip(-1))
+                policy.end_chunk(torch.randn(100, 50, generator=gen), torch.randint(0, 50, (100,), generator=gen))
+        stores[method] = policy
+    shared = stores["sekv+xkv"]
+    assert shared.layers[0].fac_k is shared.layers[1].fac_k  # one store for the window
+    assert shared.host_tensors(1) == []  # counted once, at the window's first layer
+    assert shared.span_len.length == stores["sekv"].span_len.length > 5
+    assert shared.memory().host_bytes < stores["sekv"].memory().host_bytes

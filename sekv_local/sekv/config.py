@@ -31,6 +31,8 @@ class SekvConfig:
         coarse summary rows get the most attention logit; training-free) or "bounds" (Quest-style: per span
         the element-wise min and max of its keys give an upper bound of q.k over its tokens; 2*head_dim more
         device values per span and KV head, training-free).
+    share_layers: G > 1 factors each span jointly over G adjacent layers and all KV heads (one token basis
+        per span for the window, xKV's cross-layer sharing applied to span factors: `sekv+xkv`).
     summary_bias: multiplier of the +log|S| bias of unexpanded spans' summary rows (1 = DESIGN §5.5;
         0 = drop unexpanded spans from attention, an ablation).
     positions: "original" keeps every token's own position; "bounded" places all memory (spans,
@@ -50,6 +52,7 @@ class SekvConfig:
     routing_dim: int = 32
     threshold: float = 0.05
     router: str = "attention"
+    share_layers: int = 1
     summary_bias: float = 1.0
     positions: str = "original"
     dtype: str = "f16"
@@ -70,6 +73,7 @@ class SekvConfig:
         need(self.max_rank >= 1, "max_rank must be >= 1")
         need(self.routing_dim >= 2 and self.routing_dim % 2 == 0, "routing_dim must be an even number >= 2")
         need(0 < self.threshold < 1, "threshold must be in (0, 1)")
+        need(self.share_layers >= 1, "share_layers must be >= 1")
         need(self.summary_bias >= 0, "summary_bias must be >= 0")
         need(self.router in ROUTERS, f"router must be one of {ROUTERS}")
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")

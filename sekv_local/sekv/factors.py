@@ -72,13 +72,16 @@ class FactorStore:
         self.raw.append(raw)
         return eff
 
-    def rebuild(self, heads: torch.Tensor, spans: torch.Tensor, lengths: torch.Tensor, l_max: int) -> torch.Tensor:
+    def rebuild(self, heads: torch.Tensor, spans: torch.Tensor, lengths: torch.Tensor, l_max: int,
+                columns: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
         """Rows of (head, span) pairs: heads, spans [n] -> [n, l_max, D] float32 (zero past each length).
-        lengths: [all spans] span lengths."""
+        lengths: [all spans] span lengths. columns [n] + width: rebuild only features
+        columns[i] .. columns[i] + width of each pair (a store shared by several layers and heads)."""
         n = int(spans.numel())
         D = self.head_dim
+        out_width = D if columns is None else int(width)
         if n == 0:
-            return torch.zeros(0, l_max, D)
+            return torch.zeros(0, l_max, out_width)
         heads, spans = heads.cpu(), spans.cpu()
         r = self.rank.view()[spans]
         L = lengths.cpu()[spans]
@@ -86,10 +89,10 @@ class FactorStore:
         M = int(r.max())
         j = torch.arange(M)
         t = torch.arange(l_max)
-        d = torch.arange(D)
-        w_idx = self.w_off.view()[spans][:, None, None] + ((heads[:, None] * r[:, None] + j[None, :]) * D)[:, :, None] \
-            + d[None, None, :]
-        w_ok = (j[None, :] < r[:, None])[:, :, None].expand(n, M, D)
+        d = torch.arange(D)[None, None, :] if columns is None else \
+            columns.cpu()[:, None, None] + torch.arange(out_width)[None, None, :]
+        w_idx = self.w_off.view()[spans][:, None, None] + ((heads[:, None] * r[:, None] + j[None, :]) * D)[:, :, None] + d
+        w_ok = (j[None, :] < r[:, None])[:, :, None].expand(n, M, out_width)
         W = torch.where(w_ok, self.w.data[w_idx.clamp(max=max(self.w.length - 1, 0))].float(), 0.0)
         u_idx = self.u_off.view()[spans][:, None, None] + (heads[:, None, None] * L[:, None, None] + t[None, :, None]) \
             * r[:, None, None] + j[None, None, :]

@@ -47,8 +47,10 @@ class _Layer:
     sum_v: RowBuffer
     route_k: RowBuffer
     bound_k: RowBuffer  # "bounds" router: per span [min | max] of its post-RoPE keys, [KV, S, 2D]
-    fac_k: FactorStore
+    fac_k: FactorStore  # shared by the layers of a window when share_layers > 1 (sekv+xkv)
     fac_v: FactorStore
+    slot: int = 0  # index of this layer inside its window
+    window_first: bool = True  # owns (saves, counts) the window's factor stores
 
 
 class SekvCache(CachePolicy):
@@ -73,12 +75,19 @@ class SekvCache(CachePolicy):
         pin = self.device.type == "cuda"
         dev = self.device
         step = _ROW_STEP
-        self.layers = [_Layer(RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
-                              RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
-                              RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
-                              RowBuffer(KV, dp, dt, dev, step), RowBuffer(KV, 2 * D, dt, dev, step),
-                              FactorStore(KV, D, dt, pin), FactorStore(KV, D, dt, pin))
-                       for _ in range(config.n_layers)]
+        G = self.cfg.share_layers
+        self.layers = []
+        for layer in range(config.n_layers):
+            slot = layer % G
+            if slot == 0:  # one store per window; G = 1: per layer, per KV head ([KV, L, r] x [KV, r, D])
+                width = min(G, config.n_layers - layer) * KV * D
+                stores = (FactorStore(KV, D, dt, pin), FactorStore(KV, D, dt, pin)) if G == 1 else \
+                    (FactorStore(1, width, dt, pin), FactorStore(1, width, dt, pin))
+            self.layers.append(_Layer(RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
+                                      RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
+                                      RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
+                                      RowBuffer(KV, dp, dt, dev, step), RowBuffer(KV, 2 * D, dt, dev, step),
+                                      *stores, slot=slot, window_first=slot == 0))
         self.exact_pos = VecBuffer(torch.long, dev, step)
         self.pend_pos = VecBuffer(torch.long, dev, step)
         self.pend_surprisal = VecBuffer(torch.float32, dev, step)
@@ -282,8 +291,15 @@ class SekvCache(CachePolicy):
         heads = torch.arange(KV).repeat_interleave(k)
         spans = chosen.reshape(-1).cpu()
         lengths = self.span_len.view()
-        zk = L.fac_k.rebuild(heads, spans, lengths, pad).to(self.device).view(KV, k * pad, -1)
-        zv = L.fac_v.rebuild(heads, spans, lengths, pad).to(self.device).view(KV, k * pad, -1)
+        if self.cfg.share_layers == 1:
+            zk = L.fac_k.rebuild(heads, spans, lengths, pad).to(self.device).view(KV, k * pad, -1)
+            zv = L.fac_v.rebuild(heads, spans, lengths, pad).to(self.device).view(KV, k * pad, -1)
+        else:  # the layer's columns of the window's shared factors: features are (layer, head, dim)
+            D = self.config.head_dim
+            columns = (L.slot * KV + heads) * D
+            one = torch.zeros_like(heads)
+            zk = L.fac_k.rebuild(one, spans, lengths, pad, columns, D).to(self.device).view(KV, k * pad, -1)
+            zv = L.fac_v.rebuild(one, spans, lengths, pad, columns, D).to(self.device).view(KV, k * pad, -1)
         t = torch.arange(pad, device=self.device)
         span_start = self.span_pos.view()[chosen]  # [KV, k]
         zpos = (span_start[..., None] + t).view(KV, k * pad)
@@ -331,6 +347,7 @@ class SekvCache(CachePolicy):
         weights = weights / weights.sum(dim=1, keepdim=True)  # surprisal-weighted mean
         centers = pos[seg.span_start] + seg.span_len // 2
         unrotate = self.rope.cos_sin(-pos)
+        window_rows: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # sekv+xkv: the window's spans
         for layer_no, layer in enumerate(self.layers):
             if self._bounds:
                 layer.bound_k.append(key_bounds(layer.pend_k.view()[:, idx].float(), in_span))  # own positions
@@ -339,11 +356,17 @@ class SekvCache(CachePolicy):
                                               (layer.pend_v.view()[:, :region].float(), layer.sum_v, layer.fac_v, False)):
                 padded = torch.where(in_span[None, :, :, None], x[:, idx], 0.0)  # [KV, S, l_max, D]
                 mean = torch.einsum("ksld,sl->ksd", padded, weights)
-                store.add(padded.transpose(0, 1), seg.span_len, self.cfg.energy, self.cfg.max_rank)
+                if self.cfg.share_layers == 1:
+                    store.add(padded.transpose(0, 1), seg.span_len, self.cfg.energy, self.cfg.max_rank)
+                else:
+                    window_rows[0 if is_key else 1].append(padded)
                 if is_key:
                     layer.route_k.append(self.router.routing_keys(layer_no, mean).detach())
                     mean = self._rotate(mean, centers)  # the summary row sits at the span's centre
                 summary.append(mean)
+            if window_rows[0] and (layer_no + 1 == len(self.layers) or self.layers[layer_no + 1].window_first):
+                self._add_shared(layer, window_rows, seg.span_len)
+                window_rows = ([], [])
             layer.exact_k.append(layer.pend_k.view()[:, seg.anchors])
             layer.exact_v.append(layer.pend_v.view()[:, seg.anchors])
             layer.pend_k.drop_front(seg.consumed)
@@ -353,6 +376,16 @@ class SekvCache(CachePolicy):
         self.span_len.append(seg.span_len)
         self.pend_pos.drop_front(seg.consumed)
         self.pend_surprisal.drop_front(seg.consumed)
+
+    def _add_shared(self, layer: _Layer, rows: tuple[list[torch.Tensor], list[torch.Tensor]],
+                    lengths: torch.Tensor) -> None:
+        """sekv+xkv: factor each span jointly over the window's layers and KV heads: [G][KV, S, l, D] ->
+        one [S, 1, l, G*KV*D] SVD per span (one token basis for the window, as xKV does for whole layers)."""
+        cap = self.cfg.max_rank * len(rows[0]) * self.config.n_kv_heads
+        for parts, store in ((rows[0], layer.fac_k), (rows[1], layer.fac_v)):
+            x = torch.stack(parts).permute(2, 3, 0, 1, 4)  # [S, l, G, KV, D]
+            S, l_max = x.shape[:2]
+            store.add(x.reshape(S, 1, l_max, -1), lengths, self.cfg.energy, cap)
 
     def _remaining_tokens(self, region: int) -> int:
         done = self.n_tokens - self.pend_pos.length
@@ -424,8 +457,9 @@ class SekvCache(CachePolicy):
         tensors = {name: getattr(self, name).view() for name in self._GLOBAL}
         for i, layer in enumerate(self.layers):
             tensors.update({f"L{i}.{name}": getattr(layer, name).view() for name in self._LAYER})
-            tensors.update(layer.fac_k.export_state(f"L{i}.fac_k"))
-            tensors.update(layer.fac_v.export_state(f"L{i}.fac_v"))
+            if layer.window_first:
+                tensors.update(layer.fac_k.export_state(f"L{i}.fac_k"))
+                tensors.update(layer.fac_v.export_state(f"L{i}.fac_v"))
         tensors.update({f"router.{k}": v.detach() for k, v in self.router.state_dict().items()})
         if self._prev_logprobs is not None:
             tensors["prev_logprobs"] = self._prev_logprobs
@@ -441,8 +475,9 @@ class SekvCache(CachePolicy):
         for i, layer in enumerate(self.layers):
             for name in self._LAYER:
                 getattr(layer, name).load(tensors[f"L{i}.{name}"].to(self.device))
-            layer.fac_k.import_state(tensors, f"L{i}.fac_k")
-            layer.fac_v.import_state(tensors, f"L{i}.fac_v")
+            if layer.window_first:
+                layer.fac_k.import_state(tensors, f"L{i}.fac_k")
+                layer.fac_v.import_state(tensors, f"L{i}.fac_v")
             if not (layer.exact_k.length == layer.exact_v.length == self.exact_pos.length
                     and layer.pend_k.length == layer.pend_v.length == self.pend_pos.length
                     and layer.sum_k.length == layer.route_k.length == self.span_len.length == layer.fac_k.n_spans
@@ -466,7 +501,7 @@ class SekvCache(CachePolicy):
 
     def host_tensors(self, layer: int) -> list[torch.Tensor]:
         L = self.layers[layer]
-        return L.fac_k.tensors() + L.fac_v.tensors()
+        return L.fac_k.tensors() + L.fac_v.tensors() if L.window_first else []  # a shared store counts once
 
     def reset_observations(self) -> None:
         self._zoom_events.clear()
@@ -497,3 +532,12 @@ class SekvCache(CachePolicy):
 @register_policy("sekv")
 def _make(**kwargs: Any) -> SekvCache:
     return SekvCache(**kwargs)
+
+
+@register_policy("sekv+xkv")
+def _make_shared(**kwargs: Any) -> SekvCache:
+    """SeKV whose span factors are shared across windows of `share_layers` layers (default 2)."""
+    kwargs.setdefault("share_layers", 2)
+    cache = SekvCache(**kwargs)
+    cache.name = "sekv+xkv"
+    return cache
