@@ -77,7 +77,7 @@ def test_incremental_svd_follows_a_subspace_that_appears_late() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group,budget", [(1, 0.25), (4, 0.125)])
+@pytest.mark.parametrize("group,budget", [(1, 0.25), (4, 0.25)])
 def test_xkv_stays_within_its_device_budget_on_the_real_model(tokenizer, group: int, budget: float) -> None:
     sample = generate_sample("niah_single", 3000, seed=4242, count_tokens=tokenizer.count, depth=0.4)
     session = Session.create(Document.from_text(sample.document),
@@ -90,10 +90,13 @@ def test_xkv_stays_within_its_device_budget_on_the_real_model(tokenizer, group: 
     assert memory.device_peak_bytes <= budget_bytes
     policy = session.engine.cache
     assert policy.comp_pos.length > 2500  # the document went into the factors, not into exact rows
+    compressed_after_document = policy.comp_pos.length
     answer = session.answer(sample.questions[0].text)
     assert answer.n_tokens >= 1
     assert answer.memory["device_peak_bytes"] <= budget_bytes
-    # rollback to the document restores the factors the question's compression may have rotated
+    # rollback to the document restores the factors the question's compression has rotated
+    assert policy.comp_pos.length > compressed_after_document
+    session.reset_conversation()
     again = session.answer(sample.questions[0].text)
     assert again.text == answer.text
 
