@@ -1,5 +1,7 @@
 """User-facing errors: the CLI prints their message (no traceback) and exits non-zero."""
 
+from typing import Callable
+
 
 class SekvError(Exception):
     """An error whose message is meant for the user, e.g. a bad file or an impossible budget."""
@@ -15,3 +17,12 @@ class DocumentError(SekvError):
 
 class BudgetError(SekvError):
     """A cache budget that cannot hold what the method needs."""
+
+
+def config_check(prefix: str) -> Callable[[bool, str], None]:
+    """need(ok, message) for a settings dataclass: raises SekvError("PREFIX: message") when not ok."""
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise SekvError(f"{prefix}: {message}")
+
+    return need

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BudgetError, SekvError
+from ..errors import BudgetError, SekvError, config_check
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from ..sekv.buffers import FlatBuffer, RowBuffer, VecBuffer
@@ -93,9 +93,7 @@ class SentenceKVConfig:
     dtype: str = "f16"
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise SekvError(f"sentencekv: {message}")
+        need = config_check("sentencekv")
 
         object.__setattr__(self, "sentence_end_ids", tuple(sorted(set(_parse_ids(self.sentence_end_ids)))))
         for name in ("n_start", "n_recent", "min_sentence", "max_sentence"):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BudgetError, SekvError
+from ..errors import BudgetError, SekvError, config_check
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from ..sekv.buffers import RowBuffer, VecBuffer
@@ -69,9 +69,7 @@ class XkvConfig:
     dtype: str = "f16"
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise SekvError(f"xkv: {message}")
+        need = config_check("xkv")
 
         need(self.group >= 1, "group must be >= 1")
         need(0 < self.v_share < 1, "v_share must be in (0, 1)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import SekvError
+from ..errors import SekvError, config_check
 
 POSITION_STRATEGIES = ("original", "bounded")
 ROUTERS = ("projection", "attention", "bounds")
@@ -58,9 +58,7 @@ class SekvConfig:
     dtype: str = "f16"
 
     def __post_init__(self) -> None:
-        def need(ok: bool, message: str) -> None:
-            if not ok:
-                raise SekvError(f"sekv: {message}")
+        need = config_check("sekv")
 
         need(self.alpha >= 0, "alpha must be >= 0")
         need(1 <= self.l_min <= self.l_max, "need 1 <= l_min <= l_max")
