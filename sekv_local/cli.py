@@ -12,6 +12,7 @@ import click
 from . import __version__
 from .engines.base import SamplingConfig
 from .engines.factory import ENGINES
+from .cache.budget import parse_budget
 from .errors import SekvError
 from .models import registry
 from .session import Session, SessionSettings
@@ -21,24 +22,10 @@ def _parse_budget(_ctx: click.Context, _param: click.Parameter, value: str | Non
     """'0.25' or '25%' = fraction of full-KV bytes; '64MiB' / '500KB' / '123456' (bytes) = absolute."""
     if value is None:
         return None
-    text = value.strip().lower().replace(" ", "")
-    units = {"gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "gb": 10 ** 9, "mb": 10 ** 6, "kb": 10 ** 3, "b": 1}
     try:
-        if text.endswith("%"):
-            fraction = float(text[:-1]) / 100
-        else:
-            for unit, scale in units.items():
-                if text.endswith(unit):
-                    return int(float(text[: -len(unit)]) * scale)
-            number = float(text)
-            if number > 1:
-                return int(number)
-            fraction = number
-    except ValueError:
-        raise click.BadParameter(f"'{value}' is not a budget (examples: 0.25, 25%, 64MiB)") from None
-    if not 0 < fraction <= 1:
-        raise click.BadParameter(f"a fractional budget must be in (0, 1], got {value}")
-    return fraction
+        return parse_budget(value)
+    except SekvError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def session_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -245,7 +232,7 @@ def chat(file: Path, no_tui: bool, **kw: Any) -> None:
 @click.option("--engine", "engines", default="torch", show_default=True,
               help=f"Comma-separated engines ({', '.join(ENGINES)}).")
 @click.option("--method", "methods_", default="full", show_default=True, help="Comma-separated methods; a variant sets options for its own rows, e.g. xkv@group=2.")
-@click.option("--budgets", default="", help="Comma-separated budgets for compressing methods (e.g. 0.125,0.25,0.5).")
+@click.option("--budgets", default="", help="Comma-separated budgets for compressing methods: fractions of full KV (0.125,0.25) or sizes (64MiB).")
 @click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True)
 @click.option("--seed", type=int, default=1, show_default=True, help="Base seed of the task suite.")
 @click.option("--threads", type=click.IntRange(1, 256))

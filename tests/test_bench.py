@@ -81,3 +81,17 @@ def test_method_variants_carry_their_own_options() -> None:
                                              ("xkv@group=4@reconstruct=dense", 0.25)]
     with pytest.raises(SekvError, match="METHOD@KEY=VALUE"):
         BenchConfig(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"], methods=["xkv@group"])
+
+
+def test_absolute_budgets_parse_and_print_as_sizes() -> None:
+    from sekv_local.cache.budget import parse_budget
+    from sekv_local.eval.report import fmt_budget
+
+    assert parse_budget("25%") == 0.25 and parse_budget("0.125") == 0.125
+    assert parse_budget("64MiB") == 64 * 2**20 and parse_budget("500KB") == 500_000
+    with pytest.raises(SekvError, match="not a budget"):
+        parse_budget("lots")
+    config = BenchConfig.from_cli("niah_single", "16k,32k", 1, "torch", "sekv@positions=bounded", "48MiB", "smollm2-135m",
+                                  1, None, 1024, Path("x"), False, "")
+    assert config.budgets == [48 * 2**20]
+    assert fmt_budget(48 * 2**20) == "48 MiB" and fmt_budget(0.25) == "25%" and fmt_budget(None) == "-"

@@ -19,16 +19,21 @@ _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 @dataclass(frozen=True)
 class FullConfig:
     """dtype: storage type of cached K/V ("f16" matches the full-KV baseline of DESIGN §4).
-    grow_tokens: capacity is allocated in steps of this many tokens (the slack is counted as used)."""
+    grow_tokens: capacity is allocated in steps of this many tokens (the slack is counted as used).
+    max_tokens: most tokens accepted; 0 = the model's trained context. Larger values run positions the
+    model never saw (the reference for "beyond the trained context" measurements)."""
 
     dtype: str = "f16"
     grow_tokens: int = 256
+    max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise SekvError(f"full: dtype must be one of {sorted(_DTYPES)}, got '{self.dtype}'")
         if self.grow_tokens < 1:
             raise SekvError("full: grow_tokens must be >= 1")
+        if self.max_tokens < 0:
+            raise SekvError("full: max_tokens must be >= 0 (0 = the model's trained context)")
 
 
 class GrowingKV:
@@ -86,6 +91,9 @@ class FullCache(CachePolicy):
         q_rot = self.rope.apply(q, self._positions, self._cos_sin)
         keys, values = store.keys(), store.values()
         return gqa_attention(q_rot, keys, values, bias=self._causal(q.shape[1], keys.shape[1]))
+
+    def max_tokens(self) -> int | None:
+        return self.cfg.max_tokens or self.config.context_length
 
     def mark(self) -> tuple[int, int]:
         return (self.n_tokens, self.layers[0].length)

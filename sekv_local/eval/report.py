@@ -35,9 +35,12 @@ Record = dict[str, Any]
 # --------------------------------------------------------------------------------------------
 # formatting and grouping helpers
 
-def fmt_budget(budget: float | None) -> str:
-    """``None`` -> ``"-"``; a fraction of full-KV bytes -> percent, e.g. ``0.25`` -> ``"25%"``."""
-    return "-" if budget is None else f"{budget * 100:g}%"
+def fmt_budget(budget: float | int | None) -> str:
+    """``None`` -> ``"-"``; a fraction of full-KV bytes -> percent, e.g. ``0.25`` -> ``"25%"``; an absolute
+    budget in bytes -> MiB, e.g. ``"64 MiB"``."""
+    if budget is None:
+        return "-"
+    return f"{budget / 2**20:g} MiB" if isinstance(budget, int) or budget > 1 else f"{budget * 100:g}%"
 
 
 def fmt_length(length: int) -> str:

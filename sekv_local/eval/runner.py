@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..cache.budget import parse_budget
 from ..documents import Document
 from ..engines import EngineOptions, create_engine
 from ..engines.base import Engine
@@ -38,7 +39,7 @@ class BenchConfig:
     samples: int
     engines: list[str]
     methods: list[str]
-    budgets: list[float | None] = field(default_factory=lambda: [None])
+    budgets: list[float | int | None] = field(default_factory=lambda: [None])  # fractions or bytes
     model: str = "smollm2-135m"
     seed: int = 1
     threads: int | None = None
@@ -70,15 +71,7 @@ class BenchConfig:
             length_list = [parse_length(x) for x in split(lengths)]
         except ValueError as exc:
             raise SekvError(str(exc)) from None
-        budget_list: list[float | None] = []
-        for b in split(budgets):
-            try:
-                value = float(b.rstrip("%")) / (100 if b.endswith("%") else 1)
-            except ValueError:
-                raise SekvError(f"'{b}' is not a budget fraction (e.g. 0.25)") from None
-            if not 0 < value <= 1:
-                raise SekvError(f"budget {b} must be a fraction in (0, 1]")
-            budget_list.append(value)
+        budget_list: list[float | int | None] = [parse_budget(b) for b in split(budgets)]
         return cls(tasks=split(tasks), lengths=length_list, samples=samples, engines=split(engines),
                    methods=split(methods_), budgets=budget_list or [None], model=model, seed=seed, threads=threads,
                    chunk_size=chunk_size, out=str(out), command=command, method_options=parse_method_options(option),
