@@ -456,6 +456,8 @@ class XkvCache(CachePolicy):
         return [t for snap in snaps.values() for pair in snap for part in pair for t in part]
 
     def observations(self) -> dict[str, Any]:
+        if not self.factors:
+            return {}
         return {"rank_k": self.rank_k, "rank_v": self.rank_v, "group": self.cfg.group,
                 "compressed_tokens": self.comp_pos.length, "exact_tokens": self.pend_pos.length}
 
