@@ -94,16 +94,19 @@ class FactorStore:
         w_idx = self.w_off.view()[spans][:, None, None] + ((heads[:, None] * r[:, None] + j[None, :]) * D)[:, :, None] + d
         w_ok = (j[None, :] < r[:, None])[:, :, None].expand(n, M, out_width)
         W = torch.where(w_ok, self.w.data[w_idx.clamp(max=max(self.w.length - 1, 0))].float(), 0.0)
-        u_idx = self.u_off.view()[spans][:, None, None] + (heads[:, None, None] * L[:, None, None] + t[None, :, None]) \
-            * r[:, None, None] + j[None, None, :]
-        u_ok = (t[None, :, None] < L[:, None, None]) & (j[None, None, :] < r[:, None, None])
-        if self.u.length:
-            U = torch.where(u_ok & ~raw[:, None, None], self.u.data[u_idx.clamp(max=self.u.length - 1)].float(), 0.0)
-        else:
-            U = torch.zeros(n, l_max, M)
-        eye = (t[None, :, None] == j[None, None, :]) & u_ok
-        U = torch.where(raw[:, None, None], eye.float(), U)
-        return U @ W
+        out = torch.zeros(n, l_max, out_width)
+        if raw.any():  # raw spans: W holds the rows themselves (zero past each length); no product needed
+            rows = min(M, l_max)
+            out[raw, :rows] = W[raw, :rows]
+        fac = (~raw).nonzero().flatten()
+        if fac.numel():
+            f_spans, f_heads, f_r, f_L = spans[fac], heads[fac], r[fac], L[fac]
+            u_idx = self.u_off.view()[f_spans][:, None, None] \
+                + (f_heads[:, None, None] * f_L[:, None, None] + t[None, :, None]) * f_r[:, None, None] + j[None, None, :]
+            u_ok = (t[None, :, None] < f_L[:, None, None]) & (j[None, None, :] < f_r[:, None, None])
+            U = torch.where(u_ok, self.u.data[u_idx.clamp(max=max(self.u.length - 1, 0))].float(), 0.0)
+            out[fac] = U @ W[fac]
+        return out
 
     def truncate(self, n_spans: int) -> None:
         """Forget spans from index n_spans on."""
