@@ -134,10 +134,12 @@ def models_path(name: str) -> None:
 @cli.command("methods")
 def methods() -> None:
     """KV cache methods this build knows."""
-    from .cache import available_policies
+    from .cache.base import available_policies, describe_policy
 
-    for name in available_policies():
-        click.echo(name)
+    names = available_policies()
+    width = max(map(len, names))
+    for name in names:
+        click.echo(f"{name:<{width}}  {describe_policy(name)}")
 
 
 # -- ask / chat --------------------------------------------------------------------------------------

@@ -93,3 +93,12 @@ def test_models_list_and_path(model_path) -> None:
     assert listed.returncode == 0 and "smollm2-135m (default)\tpulled" in listed.stdout
     path = run_cli("models", "path", "smollm2-135m", timeout=120)
     assert path.returncode == 0 and Path(path.stdout.strip()) == Path(model_path)
+
+
+def test_methods_lists_every_method_with_what_it_does() -> None:
+    proc = run_cli("methods", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(None, 1) for line in proc.stdout.strip().splitlines())
+    for name in ("full", "sekv", "sekv+xkv", "xkv", "streaming", "h2o", "snapkv"):
+        assert len(lines[name].strip()) > 20, name  # a description, not only the name
+    assert lines["h2o"].startswith("Heavy-Hitter Oracle:")

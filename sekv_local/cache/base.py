@@ -195,6 +195,20 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def describe_policy(name: str) -> str:
+    """One line about a method: its factory's docstring, else its module's (without the `name`: prefix)."""
+    import re
+    import sys
+
+    factory = _REGISTRY[name]
+    doc = (factory.__doc__ or sys.modules[factory.__module__].__doc__ or "").strip()
+    line = doc.splitlines()[0] if doc else ""
+    match = re.match(r"^`[^`]+`\s*(?:\(([^)]*)\))?:\s*", line)  # "`h2o` (Heavy-Hitter Oracle): keep ..."
+    if not match:
+        return line
+    return (f"{match.group(1)}: " if match.group(1) else "") + line[match.end():]
+
+
 def create_policy(name: str, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu",
                   budget: float | int | None = None, **options: Any) -> CachePolicy:
     """Build the policy registered as `name`; `budget` is a fraction of full-KV bytes or bytes."""

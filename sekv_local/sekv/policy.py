@@ -531,6 +531,7 @@ class SekvCache(CachePolicy):
 
 @register_policy("sekv")
 def _make(**kwargs: Any) -> SekvCache:
+    """SeKV: semantic spans with summaries on the device, SVD factors in host RAM, budget-sized zoom-in."""
     return SekvCache(**kwargs)
 
 
