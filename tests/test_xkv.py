@@ -108,3 +108,43 @@ def test_xkv_refuses_a_budget_without_room_for_factors(tokenizer) -> None:
                              tokenizer=tokenizer)
     with pytest.raises(BudgetError, match="at least"):
         session.ingest()
+
+
+def test_saved_state_continues_exactly_like_the_original() -> None:
+    from sekv_local.cache import create_policy
+    from sekv_local.models.config import ModelConfig
+    from sekv_local.models.rope import Rope
+
+    cfg = ModelConfig(architecture="llama", n_layers=4, n_embd=64, n_ff=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                      vocab_size=50, context_length=4096, rms_eps=1e-5, rope_base=10000.0, rope_dim=16,
+                      rope_scale=1.0, rope_interleaved=True)
+    rope = Rope(cfg)
+
+    def feed(policy, start: int, n: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        policy.begin_chunk(torch.arange(start, start + n), n > 1)
+        for layer in range(cfg.n_layers):
+            out = policy.attend(layer, torch.randn(4, n, 16, generator=g), torch.randn(2, n, 16, generator=g),
+                                torch.randn(2, n, 16, generator=g))
+        policy.end_chunk(None, torch.zeros(n, dtype=torch.long))
+        return out
+
+    def make():
+        policy = create_policy("xkv", cfg, rope, budget=10 ** 7, group=2, rank_k=8, rank_v=12, outlier_fraction=0.05)
+        policy.reserve(700)
+        return policy
+
+    original = make()
+    with torch.inference_mode():
+        for start in range(0, 600, 128):
+            feed(original, start, min(128, 600 - start), start)
+        tensors, meta = original.export_state()
+        copy = make()
+        copy.import_state({k: v.clone() for k, v in tensors.items()}, meta)
+        assert copy.comp_pos.length == original.comp_pos.length > 500
+        assert copy.layers[1].out_k.length > 0  # outlier chunks travel too
+        for step in range(80):  # decode past the next compression
+            torch.testing.assert_close(feed(copy, 600 + step, 1, step), feed(original, 600 + step, 1, step))
+        wrong = create_policy("xkv", cfg, rope, budget=10 ** 7, group=2, rank_k=4, rank_v=4)
+        with pytest.raises(ValueError, match="ranks"):
+            wrong.import_state(tensors, meta)

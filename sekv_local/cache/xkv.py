@@ -437,6 +437,47 @@ class XkvCache(CachePolicy):
         if not any(m is mark for m in self._marks):
             self._marks = self._marks[-(_KEPT_MARKS - 1):] + [mark]
 
+    # -- persistence -------------------------------------------------------------------------------
+    _LAYER = ("pend_k", "pend_v", "landmark", "out_k", "out_v", "out_ids")
+
+    def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        self._ensure_plan()
+        tensors = {"comp_pos": self.comp_pos.view(), "pend_pos": self.pend_pos.view()}
+        for i, layer in enumerate(self.layers):
+            tensors.update({f"L{i}.{name}": getattr(layer, name).view() for name in self._LAYER})
+        for w, pair in enumerate(self.factors):
+            for kind, f in zip("kv", pair):
+                tensors.update({f"W{w}.{kind}.a": f.a.view(), f"W{w}.{kind}.b": f.b, f"W{w}.{kind}.sigma": f.sigma})
+        meta = {"n_tokens": self.n_tokens, "planned_tokens": self.planned_tokens, "outlier_debt": self._outlier_debt,
+                "rank_k": self.rank_k, "rank_v": self.rank_v}
+        return tensors, meta
+
+    def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.comp_pos.truncate(0)
+        self.factors = []
+        self.reserve(int(meta["planned_tokens"]))
+        if (self.rank_k, self.rank_v) != (int(meta["rank_k"]), int(meta["rank_v"])):
+            raise ValueError(f"saved ranks {meta['rank_k']}/{meta['rank_v']} differ from this budget's "
+                             f"{self.rank_k}/{self.rank_v}")
+        self.comp_pos.load(tensors["comp_pos"].to(self.device))
+        self.pend_pos.load(tensors["pend_pos"].to(self.device))
+        for i, layer in enumerate(self.layers):
+            for name in self._LAYER:
+                getattr(layer, name).load(tensors[f"L{i}.{name}"].to(self.device))
+            if layer.pend_k.length != self.pend_pos.length or layer.landmark.length * self.cfg.landmark_chunk \
+                    != self.comp_pos.length:
+                raise ValueError(f"layer {i}: row counts disagree with the saved positions")
+        for w, pair in enumerate(self.factors):
+            for kind, f in zip("kv", pair):
+                b, sigma = tensors[f"W{w}.{kind}.b"], tensors[f"W{w}.{kind}.sigma"]
+                if b.shape != f.b.shape or sigma.shape != f.sigma.shape:
+                    raise ValueError(f"window {w}: factor shapes do not fit this model")
+                f.restore((tensors[f"W{w}.{kind}.a"], b.to(f.b.dtype), sigma.float()))
+                if f.a.length != self.comp_pos.length:
+                    raise ValueError(f"window {w}: {f.a.length} factor rows for {self.comp_pos.length} tokens")
+        self._outlier_debt = float(meta["outlier_debt"])
+        self.n_tokens = int(meta["n_tokens"])
+
     # -- accounting --------------------------------------------------------------------------------
     def device_tensors(self, layer: int) -> list[torch.Tensor]:
         L = self.layers[layer]
