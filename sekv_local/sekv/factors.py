@@ -101,11 +101,12 @@ class FactorStore:
         fac = (~raw).nonzero().flatten()
         if fac.numel():
             f_spans, f_heads, f_r, f_L = spans[fac], heads[fac], r[fac], L[fac]
+            jf = j[: int(f_r.max())]  # factored ranks are small; raw spans set M
             u_idx = self.u_off.view()[f_spans][:, None, None] \
-                + (f_heads[:, None, None] * f_L[:, None, None] + t[None, :, None]) * f_r[:, None, None] + j[None, None, :]
-            u_ok = (t[None, :, None] < f_L[:, None, None]) & (j[None, None, :] < f_r[:, None, None])
+                + (f_heads[:, None, None] * f_L[:, None, None] + t[None, :, None]) * f_r[:, None, None] + jf[None, None, :]
+            u_ok = (t[None, :, None] < f_L[:, None, None]) & (jf[None, None, :] < f_r[:, None, None])
             U = torch.where(u_ok, self.u.data[u_idx.clamp(max=max(self.u.length - 1, 0))].float(), 0.0)
-            out[fac] = U @ W[fac]
+            out[fac] = U @ W[fac, : jf.numel()]
         return out
 
     def truncate(self, n_spans: int) -> None:
