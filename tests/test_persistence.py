@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sekv_local.documents import Document
-from sekv_local.persistence import MemoryFileError, read_header
+from sekv_local.persistence import FORMAT_VERSION, MemoryFileError, read_header
 from sekv_local.session import Session, SessionSettings
 
 DOC = Document.from_text(" ".join(
@@ -39,7 +39,7 @@ def test_reload_gives_identical_answers(saved, tokenizer) -> None:
     assert reopened.engine.stats.prefill_tokens == 0  # nothing was recomputed
     assert reopened.answer(QUESTION, keep_history=False).text == before
     header = read_header(path)
-    assert header["document"]["sha256"] == DOC.sha256 and header["format_version"] == 1
+    assert header["document"]["sha256"] == DOC.sha256 and header["format_version"] == FORMAT_VERSION
 
 
 def _copy(path: Path, tmp_path: Path) -> Path:
