@@ -65,6 +65,7 @@ def save_memory(path: str | Path, tensors: dict[str, torch.Tensor], header: dict
     plain = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     full_header = {**header, "format_version": FORMAT_VERSION}
     full_header["checksum"] = memory_checksum(plain, full_header)
+    _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(plain, str(tmp), metadata={HEADER_KEY: json.dumps(full_header)})
@@ -78,6 +79,18 @@ def save_memory(path: str | Path, tensors: dict[str, torch.Tensor], header: dict
             os.close(dir_fd)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Temporary files of earlier saves whose writer died (killed mid-save) are garbage: remove them."""
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        try:
+            pid = int(tmp.name[len(path.name) + 2: -len(".tmp")])
+            os.kill(pid, 0)  # raises if no such process
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, PermissionError, OSError):
+            continue  # not ours, or a live writer of another user: leave it
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
