@@ -103,11 +103,14 @@ def read_header(path: str | Path) -> dict[str, Any]:
             size = int.from_bytes(fh.read(8), "little")
             if size <= 0 or size > MAX_HEADER_BYTES or size + 8 > path.stat().st_size:
                 raise MemoryFileError(f"{path} is not a sekv-local memory file (bad safetensors header)")
-            meta = json.loads(fh.read(size)).get("__metadata__", {})
-        header = json.loads(meta[HEADER_KEY])
+            outer = json.loads(fh.read(size))
+        meta = outer.get("__metadata__") if isinstance(outer, dict) else None
+        header = json.loads(meta[HEADER_KEY]) if isinstance(meta, dict) else None
+        if not isinstance(header, dict):
+            raise MemoryFileError(f"{path} is not a sekv-local memory file (no sekv-local header)")
     except MemoryFileError:
         raise
-    except (KeyError, ValueError, UnicodeDecodeError, OSError) as exc:
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, OSError) as exc:
         raise MemoryFileError(f"{path} is not a sekv-local memory file ({exc.__class__.__name__})") from None
     if header.get("format_version") != FORMAT_VERSION:
         raise MemoryFileError(f"{path} has memory format {header.get('format_version')}; this sekv-local reads "
