@@ -26,3 +26,10 @@ def config_check(prefix: str) -> Callable[[bool, str], None]:
             raise SekvError(f"{prefix}: {message}")
 
     return need
+
+
+def reject_unknown(prefix: str, options: dict, known: set[str]) -> None:
+    """Refuse settings a method does not have, naming the ones it does."""
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise SekvError(f"{prefix}: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")

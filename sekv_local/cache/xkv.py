@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BudgetError, SekvError, config_check
+from ..errors import BudgetError, SekvError, config_check, reject_unknown
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from ..sekv.buffers import RowBuffer, VecBuffer
@@ -504,10 +504,7 @@ class XkvCache(CachePolicy):
 
 
 def _known(options: dict[str, Any]) -> dict[str, Any]:
-    known = set(XkvConfig.__dataclass_fields__)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise SekvError(f"xkv: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    reject_unknown("xkv", options, set(XkvConfig.__dataclass_fields__))
     return options
 
 

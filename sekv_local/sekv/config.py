@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import SekvError, config_check
+from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
 ROUTERS = ("projection", "attention", "bounds")
@@ -79,8 +79,5 @@ class SekvConfig:
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "SekvConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise SekvError(f"sekv: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        reject_unknown("sekv", options, {f.name for f in fields(cls)})
         return cls(**options)
