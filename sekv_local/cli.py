@@ -67,14 +67,22 @@ def _open_session(file: Path, kw: dict[str, Any], quiet: bool) -> Session:
         session = Session.load(memory, file, _settings(kw), show_progress=not quiet)
         if not quiet:
             click.echo(f"loaded saved memory {memory} ({session.settings.method})", err=True)
+        _show_notices(session, quiet)
         return session
     session = Session.create(file, _settings(kw), show_progress=not quiet)
+    _show_notices(session, quiet)
     _ingest_with_bar(session, quiet)
     if memory is not None:
         session.save(memory)
         if not quiet:
             click.echo(f"saved memory to {memory}", err=True)
     return session
+
+
+def _show_notices(session: Session, quiet: bool) -> None:
+    if not quiet:
+        for line in session.engine.notices:
+            click.echo(line, err=True)
 
 
 def _ingest_with_bar(session: Session, quiet: bool) -> None:
@@ -255,6 +263,43 @@ def bench(**kw: Any) -> None:
     paths = run_bench(config)
     click.echo(paths["summary"].read_text())
     click.echo(f"written: {', '.join(str(p) for p in paths.values())}", err=True)
+
+
+@cli.group()
+def convert() -> None:
+    """Bake a trained SeKV router into a GGUF, and look at what a GGUF carries."""
+
+
+@convert.command("bake")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("router", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The GGUF to write (model + router).")
+def convert_bake(model: Path, router: Path, out: Path) -> None:
+    """Copy MODEL (.gguf) to --out with the trained ROUTER (.safetensors from `sekv-local train`) added
+    as sekv.* metadata. The result loads in sekv-local (router used automatically) and in stock llama.cpp."""
+    from tqdm import tqdm
+
+    from .converters.bake import bake
+
+    with tqdm(total=None, unit="tensor", desc=f"writing {out.name}", file=sys.stderr, dynamic_ncols=True) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        bake(model, router, out, progress=progress)
+    click.echo(str(out))
+
+
+@convert.command("inspect")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def convert_inspect(file: Path) -> None:
+    """Print a GGUF's model dims and its baked SeKV router (sekv.* metadata), if any."""
+    from .converters.bake import inspect
+
+    for line in inspect(file):
+        click.echo(line)
 
 
 @cli.group()

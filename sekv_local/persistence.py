@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -57,18 +58,26 @@ def memory_checksum(tensors: dict[str, torch.Tensor], header: dict[str, Any]) ->
 
 
 def save_memory(path: str | Path, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
-    """Write atomically: a temporary file in the same folder, fsync, then rename over `path`."""
+    """Write atomically (see `atomic_write`): a kill at any point leaves the old file or the new one."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     plain = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     full_header = {**header, "format_version": FORMAT_VERSION}
     full_header["checksum"] = memory_checksum(plain, full_header)
+    with atomic_write(path) as tmp:
+        save_file(plain, str(tmp), metadata={HEADER_KEY: json.dumps(full_header)})
+
+
+@contextmanager
+def atomic_write(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path in the same folder to write; on success fsync it, rename it over `path`
+    and fsync the folder. On failure (or a kill) `path` keeps its old content."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_file(plain, str(tmp), metadata={HEADER_KEY: json.dumps(full_header)})
+        yield tmp
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -108,6 +108,7 @@ class Engine(ABC):
         self.stats = EngineStats()
         self.n_tokens = 0
         self._last_logits: np.ndarray | None = None
+        self.notices: list[str] = []  # one-line facts the user should see once (e.g. which router runs)
 
     # -- engine-specific ------------------------------------------------------------------------
     @abstractmethod

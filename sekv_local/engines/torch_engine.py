@@ -20,6 +20,7 @@ from ..models.transformer import Transformer
 from .base import Engine, EngineOptions
 
 _LOAD_LOCK = threading.Lock()
+SEKV_METHODS = ("sekv", "sekv+xkv")
 
 
 @lru_cache(maxsize=2)
@@ -47,6 +48,7 @@ class TorchEngine(Engine):
         if options.threads:
             torch.set_num_threads(options.threads)
         self.rope = Rope(self.config)
+        self.gguf_path = Path(gguf_path)
         self.cache: CachePolicy = self._new_policy()
 
     def _new_policy(self) -> CachePolicy:
@@ -54,7 +56,19 @@ class TorchEngine(Engine):
         options = dict(o.method_options)
         if o.method == "sentencekv" and "sentence_end_ids" not in options:
             options["sentence_end_ids"] = self._sentence_end_ids()
+        if o.method in SEKV_METHODS and options.get("trained", True) is not False:
+            options["router_module"] = self._trained_router()
         return create_policy(o.method, self.config, self.rope, device=self.device, budget=o.budget, **options)
+
+    def _trained_router(self) -> Any:
+        """The model's trained SeKV router (built once per engine; read-only), or None."""
+        if not hasattr(self, "_router"):
+            from ..sekv.router_file import build_router, find_trained_router
+
+            params, note = find_trained_router(GGUFModelFile(self.gguf_path))
+            self._router = build_router(params, self.config, self.gguf_path.name) if params is not None else None
+            self.notices.append(note)
+        return self._router
 
     def _sentence_end_ids(self) -> tuple[int, ...]:
         """Token ids that end a sentence (computed once per engine; SentenceKV cuts there)."""

@@ -92,6 +92,16 @@ class GGUFModelFile:
             rope_freq_factors=freq_factors,
         )
 
+    def router_params(self) -> Any:
+        """The trained SeKV router baked into this file (`sekv.*` metadata), or None when it has none.
+        Raises RouterFileError when the data is corrupt or was trained for other dims."""
+        from ..sekv.router_file import read_gguf_router
+
+        params = read_gguf_router(self.metadata, self.keys(), self.path.name)
+        if params is not None:
+            params.check_model(self.config, self.path.name)
+        return params
+
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 

@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
-ROUTERS = ("projection", "attention", "bounds")
+ROUTERS = ("auto", "projection", "attention", "bounds")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class SekvConfig:
     max_rank: rank cap per span.
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
-    router: "projection" (DESIGN §5.4 formula through the Router module) or "attention" (zoom where the
+    router: "auto" ("projection" when trained router parameters are loaded, else "attention"),
+        "projection" (DESIGN §5.4 formula through the Router module) or "attention" (zoom where the
         coarse summary rows get the most attention logit; training-free) or "bounds" (Quest-style: per span
         the element-wise min and max of its keys give an upper bound of q.k over its tokens; 2*head_dim more
         device values per span and KV head, training-free).
@@ -38,6 +39,8 @@ class SekvConfig:
     positions: "original" keeps every token's own position; "bounded" places all memory (spans,
         anchors) at positions inside the trained window (InfLLM-style), for documents longer than it.
     dtype: storage type of exact K/V, summaries and host factors.
+    trained: use the model's trained router (baked into its GGUF, or packaged for a built-in model) when
+        it has one; False runs the untrained defaults (an ablation).
     """
 
     alpha: float = 1.0
@@ -51,11 +54,12 @@ class SekvConfig:
     max_rank: int = 32
     routing_dim: int = 32
     threshold: float = 0.05
-    router: str = "attention"
+    router: str = "auto"
     share_layers: int = 1
     summary_bias: float = 1.0
     positions: str = "original"
     dtype: str = "f16"
+    trained: bool = True
 
     def __post_init__(self) -> None:
         need = config_check("sekv")
@@ -76,6 +80,7 @@ class SekvConfig:
         need(self.router in ROUTERS, f"router must be one of {ROUTERS}")
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
         need(self.dtype in ("f16", "bf16", "f32"), "dtype must be f16, bf16 or f32")
+        need(isinstance(self.trained, bool), "trained must be true or false")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "SekvConfig":

@@ -28,9 +28,10 @@ class FactorStore:
     def n_spans(self) -> int:
         return self.rank.length
 
-    def add(self, x: torch.Tensor, lengths: torch.Tensor, energy: float, max_rank: int) -> torch.Tensor:
+    def add(self, x: torch.Tensor, lengths: torch.Tensor, energy: float | torch.Tensor, max_rank: int) -> torch.Tensor:
         """Factor new spans. x: [S, KV, l_max, D] float32 (rows past each length are zero);
-        lengths: [S]. Returns the stored rank per span [S] (L for raw spans)."""
+        lengths: [S]; energy: kept fraction of squared singular values, one value or per KV head [KV].
+        Returns the stored rank per span [S] (L for raw spans)."""
         S, KV, l_max, D = x.shape
         if S == 0:
             return torch.zeros(0, dtype=torch.long)
@@ -39,7 +40,8 @@ class FactorStore:
         U, sv, Vh = torch.linalg.svd(x, full_matrices=False)  # [S,KV,l_max,m], [S,KV,m], [S,KV,m,D]
         power = sv.square()
         cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
-        rank = ((cum < energy).sum(-1) + 1).amax(dim=1)  # [S] shared by the span's KV heads
+        keep = torch.as_tensor(energy, dtype=cum.dtype).reshape(-1)[None, :, None] if torch.is_tensor(energy) else energy
+        rank = ((cum < keep).sum(-1) + 1).amax(dim=1)  # [S] shared by the span's KV heads
         rank = torch.minimum(torch.minimum(rank, torch.full_like(rank, max_rank)), lengths)
         raw = rank * (lengths + D) >= lengths * D
         eff = torch.where(raw, lengths, rank)

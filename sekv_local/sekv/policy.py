@@ -67,8 +67,12 @@ class SekvCache(CachePolicy):
         if isinstance(budget, float) and not 0 < budget <= 1:
             raise SekvError(f"sekv: a fractional budget must be in (0, 1], got {budget}")
         self.budget_spec = budget
-        self.router = router_module if router_module is not None else Router(config, self.cfg)
-        self._bounds = self.cfg.router == "bounds"
+        use = router_module is not None and self.cfg.trained
+        self.router = router_module if use else Router(config, self.cfg)
+        # "auto": the learned formula once trained parameters exist, the training-free rule before
+        self.router_kind = self.cfg.router if self.cfg.router != "auto" else \
+            ("projection" if self.router.trained else "attention")
+        self._bounds = self.router_kind == "bounds"
         dt = _DTYPES[self.cfg.dtype]
         KV, D = config.n_kv_heads, config.head_dim
         dp = self.router.routing_dim
@@ -272,7 +276,7 @@ class SekvCache(CachePolicy):
             bound = bound_scores(q_own, L.bound_k.view().repeat_interleave(G, dim=0))  # [H, T, S]
             score = bound.view(KV, G, -1, bound.shape[-1]).amax(dim=(1, 2))
             return torch.topk(score, k_zoom, dim=-1).indices
-        if self.cfg.router == "attention":
+        if self.router_kind == "attention":
             logits = q_rot @ sum_k_rot.repeat_interleave(G, dim=0).transpose(1, 2) / math.sqrt(q.shape[-1])
             score = (logits + log_len).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))  # [KV, S]
             return torch.topk(score, k_zoom, dim=-1).indices
@@ -357,7 +361,7 @@ class SekvCache(CachePolicy):
                 padded = torch.where(in_span[None, :, :, None], x[:, idx], 0.0)  # [KV, S, l_max, D]
                 mean = torch.einsum("ksld,sl->ksd", padded, weights)
                 if self.cfg.share_layers == 1:
-                    store.add(padded.transpose(0, 1), seg.span_len, self.cfg.energy, self.cfg.max_rank)
+                    store.add(padded.transpose(0, 1), seg.span_len, self._energy(layer_no), self.cfg.max_rank)
                 else:
                     window_rows[0 if is_key else 1].append(padded)
                 if is_key:
@@ -385,7 +389,16 @@ class SekvCache(CachePolicy):
         for parts, store in ((rows[0], layer.fac_k), (rows[1], layer.fac_v)):
             x = torch.stack(parts).permute(2, 3, 0, 1, 4)  # [S, l, G, KV, D]
             S, l_max = x.shape[:2]
-            store.add(x.reshape(S, 1, l_max, -1), lengths, self.cfg.energy, cap)
+            store.add(x.reshape(S, 1, l_max, -1), lengths, self._energy(None), cap)
+
+    def _energy(self, layer: int | None) -> float | torch.Tensor:
+        """SVD energy a span keeps: the trained rank gate's (per KV head; its mean over a window of shared
+        layers: their mean over all layers) or the configured threshold when the router is untrained."""
+        if not self.router.trained:
+            return self.cfg.energy
+        if layer is not None:
+            return self.router.rank_energy(layer)
+        return float(torch.sigmoid(self.router.rank_energy_logit.detach()).mean())
 
     def _remaining_tokens(self, region: int) -> int:
         done = self.n_tokens - self.pend_pos.length

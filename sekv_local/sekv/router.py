@@ -29,8 +29,20 @@ def low_frequency_dims(config: ModelConfig, count: int) -> torch.Tensor:
     return torch.sort(order[:count]).values
 
 
+#: Parameter names and their shapes in terms of (L, H, KV, D, d'); the router file and GGUF use them.
+PARAMETER_SHAPES = {
+    "q_proj": ("L", "D", "d'"),
+    "k_proj": ("L", "D", "d'"),
+    "threshold_logit": ("L", "H"),
+    "rank_energy_logit": ("L", "KV"),
+}
+
+
 class Router(nn.Module):
-    """Parameters: q_proj [L, H, D, d'], k_proj [L, KV, D, d'], threshold_logit [L, H]."""
+    """Parameters: q_proj [L, D, d'], k_proj [L, D, d'] (per layer, shared by its heads: per-head
+    projections would be 0.55% of SmolLM2-135M's weights, these keep the router under 0.1%),
+    threshold_logit [L, H] and the rank gate rank_energy_logit [L, KV] (sigmoid = the SVD energy a
+    span keeps, per layer and KV head)."""
 
     def __init__(self, config: ModelConfig, sekv: SekvConfig) -> None:
         super().__init__()
@@ -39,15 +51,21 @@ class Router(nn.Module):
         select = torch.zeros(D, dp)
         select[low_frequency_dims(config, dp), torch.arange(dp)] = 1.0
         self.routing_dim = dp
-        self.q_proj = nn.Parameter(select.expand(L, H, D, dp).clone())
-        self.k_proj = nn.Parameter(select.expand(L, KV, D, dp).clone())
+        self.q_proj = nn.Parameter(select.expand(L, D, dp).clone())
+        self.k_proj = nn.Parameter(select.expand(L, D, dp).clone())
         logit = math.log(sekv.threshold / (1 - sekv.threshold))
         self.threshold_logit = nn.Parameter(torch.full((L, H), logit))
+        energy = min(sekv.energy, 1 - 1e-6)
+        self.rank_energy_logit = nn.Parameter(torch.full((L, KV), math.log(energy / (1 - energy))))
         self.trained = False
+
+    def rank_energy(self, layer: int) -> torch.Tensor:
+        """SVD energy kept per KV head [KV] by the rank gate of `layer`."""
+        return torch.sigmoid(self.rank_energy_logit[layer].detach())
 
     def routing_keys(self, layer: int, summary_k: torch.Tensor) -> torch.Tensor:
         """summary_k [KV, S, D] (pre-RoPE) -> unit-norm routing keys [KV, S, d']."""
-        keys = torch.einsum("ksd,kdr->ksr", summary_k.float(), self.k_proj[layer])
+        keys = summary_k.float() @ self.k_proj[layer]
         return torch.nn.functional.normalize(keys, dim=-1)
 
     def relevance_logits(self, layer: int, q: torch.Tensor, routing_keys: torch.Tensor,
@@ -56,7 +74,7 @@ class Router(nn.Module):
         sigmoid(q'.k'/sqrt(d') + log|S|)."""
         H = q.shape[0]
         KV = routing_keys.shape[0]
-        qp = torch.einsum("htd,hdr->htr", q.float(), self.q_proj[layer])
+        qp = q.float() @ self.q_proj[layer]
         keys = routing_keys.float().repeat_interleave(H // KV, dim=0)
         return qp @ keys.transpose(1, 2) / math.sqrt(self.routing_dim) + log_len
 
