@@ -13,7 +13,7 @@ from . import __version__
 from .engines.base import SamplingConfig
 from .engines.factory import ENGINES
 from .cache.budget import parse_budget
-from .errors import SekvError
+from .errors import Interrupted, SekvError
 from .models import registry
 from .session import Session, SessionSettings
 
@@ -265,6 +265,46 @@ def bench(**kw: Any) -> None:
     click.echo(f"written: {', '.join(str(p) for p in paths.values())}", err=True)
 
 
+@cli.command()
+@click.option("--method", type=click.Choice(["sekv"]), default="sekv", show_default=True,
+              help="Which method's parameters to train.")
+@click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True)
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Router file to write (.safetensors); its checkpoint goes next to it (NAME.ckpt.safetensors).")
+@click.option("--steps", type=click.IntRange(1, 10**6), default=400, show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.01, show_default=True)
+@click.option("--seed", type=click.IntRange(0, 10**6), default=0, show_default=True,
+              help="Picks the training samples (disjoint from the bench's).")
+@click.option("--context-tokens", type=click.IntRange(256, 8192), default=1024, show_default=True)
+@click.option("--query-tokens", type=click.IntRange(1, 512), default=48, show_default=True)
+@click.option("--checkpoint-every", type=click.IntRange(1, 10**6), default=20, show_default=True)
+@click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True),
+              help="Stop (checkpoint saved) after this long; run again to continue.")
+@click.option("--threads", type=click.IntRange(1, 256), help="CPU threads (default: all cores).")
+@click.option("--fresh", is_flag=True, help="Ignore an existing checkpoint and start over.")
+def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, **kw: Any) -> None:
+    """Train SeKV's router (projections, thresholds, rank gate) against the frozen model's full-KV
+    outputs. Resumes from its checkpoint when one exists; Ctrl-C saves it."""
+    from tqdm import tqdm
+
+    from .train.trainer import TrainConfig, train_router
+
+    config = TrainConfig(model=model, **kw)
+    with tqdm(total=config.steps, unit="step", desc="training router", file=sys.stderr, dynamic_ncols=True) as bar:
+        def progress(step: int, total: int, parts: dict[str, float]) -> None:
+            bar.n = step
+            bar.set_postfix(kl=f"{parts['kl']:.4f}", bce=f"{parts['zoom_bce']:.3f}",
+                            zoom=f"{parts['zoom_fraction']:.2f}", rank=f"{parts['rank_fraction']:.2f}")
+
+        result = train_router(config, out, fresh=fresh, progress=progress, threads=threads)
+    if not result.finished:
+        click.echo(f"stopped at step {result.steps_done} of {config.steps} (time limit); run the same command "
+                   "again to continue", err=True)
+        return
+    click.echo(f"trained {result.steps_done} steps in {result.minutes:.1f} min; wrote {out}", err=True)
+    click.echo(str(out))
+
+
 @cli.group()
 def convert() -> None:
     """Bake a trained SeKV router into a GGUF, and look at what a GGUF carries."""
@@ -346,6 +386,9 @@ def main() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
+    except Interrupted as exc:
+        click.echo(f"\n{exc}", err=True)
+        sys.exit(130)
     except SekvError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

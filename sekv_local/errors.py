@@ -15,6 +15,10 @@ class DocumentError(SekvError):
     """A document that cannot be read, or does not fit."""
 
 
+class Interrupted(SekvError):
+    """Ctrl-C stopped long work cleanly (state saved where that makes sense); the message says how to go on."""
+
+
 class BudgetError(SekvError):
     """A cache budget that cannot hold what the method needs."""
 

@@ -1,0 +1,73 @@
+"""The full-KV teacher: one forward pass of the frozen model that records what training needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache.attention import chunk_causal_mask, gqa_attention
+from ..cache.base import CachePolicy
+from ..models.rope import Rope
+from ..models.transformer import Transformer
+
+
+@dataclass
+class TeacherRecord:
+    """n_context context tokens followed by M query tokens.
+
+    k, v: per layer [KV, T, D] pre-RoPE keys and values of every token (T = n_context + M);
+    q: per layer [H, M, D] pre-RoPE queries of the query tokens; logits: [M, vocab] at the query
+    tokens; surprisal: [n_context] -log p(token | past) of the context tokens (0 for the first)."""
+
+    n_context: int
+    query_ids: torch.Tensor
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    q: list[torch.Tensor]
+    logits: torch.Tensor
+    surprisal: torch.Tensor
+
+
+class _RecordingCache(CachePolicy):
+    """Exact causal attention over one chunk (the whole sequence) that keeps K, V and the last queries."""
+
+    name = "teacher"
+
+    def __init__(self, model: Transformer, rope: Rope, n_query: int) -> None:
+        super().__init__(model.config, rope)
+        self.n_query = n_query
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.q: list[torch.Tensor] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k.append(k)
+        self.v.append(v)
+        self.q.append(q[:, -self.n_query:])
+        T = q.shape[1]
+        return gqa_attention(self.rope.apply(q, self._positions, self._cos_sin),
+                             self.rope.apply(k, self._positions, self._cos_sin), v, mask=chunk_causal_mask(T, T))
+
+    def mark(self) -> Any:
+        return None
+
+    def rollback(self, mark: Any) -> None:
+        return None
+
+    def device_tensors(self, layer: int) -> list[torch.Tensor]:
+        return []
+
+
+@torch.no_grad()
+def run_teacher(model: Transformer, rope: Rope, context: list[int], query: list[int]) -> TeacherRecord:
+    ids = torch.tensor(context + query, dtype=torch.long)
+    cache = _RecordingCache(model, rope, len(query))
+    cache.begin_chunk(torch.arange(len(ids)), is_prefill=True)
+    logits = model(ids, cache, logits="all").float()
+    logprobs = torch.log_softmax(logits[: len(context)], dim=-1)
+    surprisal = torch.zeros(len(context))
+    surprisal[1:] = -logprobs[:-1].gather(1, ids[1: len(context), None])[:, 0]
+    return TeacherRecord(len(context), ids[len(context):], cache.k, cache.v, cache.q,
+                         logits[len(context):], surprisal)
