@@ -381,7 +381,7 @@ def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+        click.echo("\ninterrupted", err=True)
         sys.exit(130)
     except click.ClickException as exc:
         exc.show()

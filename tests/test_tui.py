@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import pytest
 
+from document_samples import minimal_epub, minimal_pdf
+
 from sekv_local.engines.base import SamplingConfig
 from sekv_local.errors import DocumentError, SekvError
 from sekv_local.session import Session, SessionSettings
@@ -118,28 +120,6 @@ def test_chat_refuses_a_bad_config_file_and_unreadable_documents(tmp_path, monke
     assert isinstance(result.exception, DocumentError) and "not found" in str(result.exception)
 
 
-def _minimal_pdf(text: str) -> bytes:
-    """A one-page PDF with `text` in Helvetica (hand-written objects, correct xref offsets)."""
-    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
-    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
-               b"/Resources << /Font << /F1 5 0 R >> >> >>",
-               b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
-               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
-    out = io.BytesIO()
-    out.write(b"%PDF-1.4\n")
-    offsets = []
-    for i, body in enumerate(objects, 1):
-        offsets.append(out.tell())
-        out.write(b"%d 0 obj\n" % i + body + b"\nendobj\n")
-    xref = out.tell()
-    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1))
-    for off in offsets:
-        out.write(b"%010d 00000 n \n" % off)
-    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref))
-    return out.getvalue()
-
-
 def test_readers_html_pdf_epub(tmp_path):
     from sekv_local.readers import read_any
 
@@ -151,7 +131,7 @@ def test_readers_html_pdf_epub(tmp_path):
 
     pytest.importorskip("pypdf")
     pdf = tmp_path / "book.pdf"
-    pdf.write_bytes(_minimal_pdf("The keeper is Maren Holt."))
+    pdf.write_bytes(minimal_pdf("The keeper is Maren Holt."))
     assert "Maren Holt" in read_any(pdf).text
     (tmp_path / "fake.pdf").write_text("hello")
     with pytest.raises(DocumentError, match="not a PDF"):
@@ -160,19 +140,9 @@ def test_readers_html_pdf_epub(tmp_path):
     with pytest.raises(DocumentError, match="fake.pdf|damaged|without extractable"):
         read_any(tmp_path / "broken.pdf")
 
-    epub_mod = pytest.importorskip("ebooklib.epub")
-    book = epub_mod.EpubBook()
-    book.set_identifier("port-alder")
-    book.set_title("Port Alder")
-    book.set_language("en")
-    chapter = epub_mod.EpubHtml(title="One", file_name="one.xhtml", lang="en")
-    chapter.content = "<html><body><h1>One</h1><p>The keeper is Maren Holt.</p></body></html>"
-    book.add_item(chapter)
-    book.add_item(epub_mod.EpubNcx())
-    book.add_item(epub_mod.EpubNav())
-    book.spine = [chapter]
+    pytest.importorskip("ebooklib.epub")
     epub_path = tmp_path / "book.epub"
-    epub_mod.write_epub(str(epub_path), book)
+    epub_path.write_bytes(minimal_epub("The keeper is Maren Holt."))
     assert "The keeper is Maren Holt." in read_any(epub_path).text
     (tmp_path / "bad.epub").write_text("plain text")
     with pytest.raises(DocumentError, match="not an EPUB"):
