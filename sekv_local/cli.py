@@ -332,6 +332,22 @@ def convert_bake(model: Path, router: Path, out: Path) -> None:
     click.echo(str(out))
 
 
+@convert.command("hf")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="The GGUF to write.")
+@click.option("--router", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A trained router file to bake in (from `sekv-local train`).")
+@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f16", show_default=True)
+def convert_hf(folder: Path, out: Path, router: Path | None, outtype: str) -> None:
+    """Convert a Hugging Face Llama / Mistral / Qwen2 checkpoint FOLDER (safetensors, config.json,
+    tokenizer) to a GGUF with llama.cpp's own converter (from the pinned llama-cpp-python sdist,
+    fetched once), baking in --router. Needs the `convert` extra (transformers, sentencepiece)."""
+    from .converters.hf import convert_hf as run
+
+    run(folder, out, router=router, outtype=outtype, log=lambda line: click.echo(line, err=True))
+    click.echo(str(out))
+
+
 @convert.command("inspect")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def convert_inspect(file: Path) -> None:
