@@ -18,7 +18,7 @@ import torch
 
 from .errors import SekvError
 
-FORMAT_VERSION = 2  # 2: "bounds" router rows per layer
+FORMAT_VERSION = 3  # 2: "bounds" router rows per layer; 3: router rank gate, per-layer projections
 HEADER_KEY = "sekv_local"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 

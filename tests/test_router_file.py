@@ -209,3 +209,23 @@ def test_cli_bake_refuses_a_router_for_other_dims(model_path, tmp_path: Path) ->
     assert result.returncode == 2
     assert "trained for another model" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_memory_brings_back_its_own_router(baked, model_path, tokenizer) -> None:
+    # a memory built with the untrained router, loaded where the engine has a trained one: the memory's
+    # routing keys belong to its own router, and the engine's shared trained router must stay intact
+    path, params = baked
+    plain = TorchEngine(model_path, tokenizer, EngineOptions(method="sekv", budget=0.25))
+    from sekv_local.eval.tasks import natural_text
+
+    ids = tokenizer.encode(natural_text(9000))
+    plain.reserve(len(ids))
+    plain.feed(ids)
+    plain.finish_prefill()
+    tensors, meta = plain.export_state()
+    trained = TorchEngine(path, tokenizer, EngineOptions(method="sekv", budget=0.25))
+    shared = trained._trained_router()
+    trained.import_state(tensors, meta)
+    assert trained.cache.router is not shared and not trained.cache.router.trained
+    assert trained.cache.router_kind == "attention"
+    assert torch.equal(shared.threshold_logit, params.tensors["threshold_logit"]) and shared.trained

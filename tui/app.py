@@ -232,6 +232,8 @@ class ChatApp(App[None]):
                     self._ui(screen.set_stage, f"saving memory to {save.name}…")
                     session.save(save)
                     how += f" Saved its memory to {save}."
+            if session.engine.notices:  # e.g. which SeKV router runs
+                how += " " + " ".join(session.engine.notices) + "."
             session.passage(0, 0)  # tokenize the document once: the map's passages are then instant
             # measured here, off the UI thread: the panel's figures before the first answer
             observations = session.engine.observations()

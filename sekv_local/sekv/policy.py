@@ -69,9 +69,7 @@ class SekvCache(CachePolicy):
         self.budget_spec = budget
         use = router_module is not None and self.cfg.trained
         self.router = router_module if use else Router(config, self.cfg)
-        # "auto": the learned formula once trained parameters exist, the training-free rule before
-        self.router_kind = self.cfg.router if self.cfg.router != "auto" else \
-            ("projection" if self.router.trained else "attention")
+        self.router_kind = self._router_kind()
         self._bounds = self.router_kind == "bounds"
         dt = _DTYPES[self.cfg.dtype]
         KV, D = config.n_kv_heads, config.head_dim
@@ -104,6 +102,12 @@ class SekvCache(CachePolicy):
         self._zoom_bytes = 0
         self.planned_tokens = config.context_length
         self._plan()
+
+    def _router_kind(self) -> str:
+        """"auto": the learned formula once trained parameters exist, the training-free rule before."""
+        if self.cfg.router != "auto":
+            return self.cfg.router
+        return "projection" if self.router.trained else "attention"
 
     # -- budget ------------------------------------------------------------------------------------
     @property
@@ -477,10 +481,11 @@ class SekvCache(CachePolicy):
         if self._prev_logprobs is not None:
             tensors["prev_logprobs"] = self._prev_logprobs
         meta = {"n_tokens": self.n_tokens, "planned_tokens": self.planned_tokens, "l_min": self.l_min,
-                "stats": [self.stats.count, self.stats.mean, self.stats.m2]}
+                "stats": [self.stats.count, self.stats.mean, self.stats.m2], "router_trained": self.router.trained}
         return tensors, meta
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self._restore_router(tensors, meta)
         self.reserve(int(meta["planned_tokens"]))
         self.l_min = int(meta["l_min"])
         for name in self._GLOBAL:
@@ -496,11 +501,25 @@ class SekvCache(CachePolicy):
                     and layer.sum_k.length == layer.route_k.length == self.span_len.length == layer.fac_k.n_spans
                     and layer.bound_k.length == (self.span_len.length if self._bounds else 0)):
                 raise ValueError(f"layer {i}: row counts disagree with the saved positions")
-        self.router.load_state_dict({k[len("router."):]: v for k, v in tensors.items() if k.startswith("router.")})
         self._prev_logprobs = tensors.get("prev_logprobs")
         count, mean, m2 = meta["stats"]
         self.stats = RunningStats(int(count), float(mean), float(m2))
         self.n_tokens = int(meta["n_tokens"])
+
+    def _restore_router(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """A memory was built with its own router (its routing keys and ranks come from it): restore
+        that one into a fresh module, never into the engine's shared trained router."""
+        saved = {k[len("router."):]: v for k, v in tensors.items() if k.startswith("router.")}
+        router = Router(self.config, SekvConfig(routing_dim=int(saved["q_proj"].shape[-1])))
+        router.load_state_dict(saved)
+        router.trained = bool(meta.get("router_trained", False))
+        router.requires_grad_(False)
+        if router.routing_dim != self.router.routing_dim:  # routing-key rows as wide as the saved router's
+            for layer in self.layers:
+                layer.route_k = RowBuffer(self.config.n_kv_heads, router.routing_dim, layer.route_k.data.dtype,
+                                          self.device, _ROW_STEP)
+        self.router = router
+        self.router_kind = self._router_kind()
 
     # -- accounting & observability ----------------------------------------------------------------
     def device_tensors(self, layer: int) -> list[torch.Tensor]:
