@@ -212,17 +212,31 @@ class Session:
         decoder = StreamDecoder(self.tokenizer)
         pieces: list[str] = []
         n = 0
+        ends_at_newline = self.prompt.answer_ends_at_newline
         try:
-            for token in self.engine.generate(max_new, self.settings.sampling):
-                n += 1
+            tokens = self.engine.generate(max_new, self.settings.sampling)
+            for token in tokens:
                 piece = decoder.push(token)
+                head = piece.split("\n", 1)[0]
+                if ends_at_newline and head != piece and ("".join(pieces) + head).strip():
+                    # completion layout: the answer's line is done. A token that also carries answer
+                    # text is kept (fed into the cache by resuming the generator once); a bare
+                    # line break is not, as an end-of-generation token is not.
+                    if head:
+                        n += 1
+                        pieces.append(head)
+                        yield head
+                        next(tokens, None)
+                    break
+                n += 1
                 if piece:
                     pieces.append(piece)
                     yield piece
-            tail = decoder.flush()
-            if tail:
-                pieces.append(tail)
-                yield tail
+            else:
+                tail = decoder.flush()
+                if tail:
+                    pieces.append(tail)
+                    yield tail
         finally:
             text = "".join(pieces).strip()
             self.turns.append(Turn(question, text))

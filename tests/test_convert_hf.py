@@ -92,6 +92,8 @@ def test_hf_torch_engine_and_llama_cpp_logits_agree(checkpoint: Path, converted)
     scale = np.abs(hf).max()
     assert scale > 1.0  # logits large enough for the comparison to mean something
     for name, logits in (("torch engine", ours), ("stock llama.cpp", stock)):
+        print(f"{name} vs HF: max |dlogit| {np.abs(logits - hf).max():.2e} (max |logit| {scale:.2f}), "
+              f"argmax agreement {(logits.argmax(-1) == hf.argmax(-1)).mean():.0%}")
         assert np.abs(logits - hf).max() / scale < 1e-3, name
         assert (logits.argmax(-1) == hf.argmax(-1)).all(), name
 

@@ -69,8 +69,10 @@ def f32_copy(src, dst) -> None:
     writer.close()
 
 
-def compare(gguf_path, tokenizer, ids, label):
-    options = EngineOptions(method="full", chunk_size=512, threads=2)
+def score_both(gguf_path, tokenizer, ids, threads: int = 2) -> tuple[np.ndarray, ...]:
+    """Teacher-forced scores of `ids` by both engines (method full, 512-token chunks):
+    (torch logp, torch argmax, llama.cpp logp, llama.cpp argmax), each [len(ids) - 1]."""
+    options = EngineOptions(method="full", chunk_size=512, threads=threads)
     torch_lp, torch_top = TorchEngine(gguf_path, tokenizer, options).score(ids)
     llama = LlamaCppStockEngine(gguf_path, tokenizer, options)
     try:
@@ -78,12 +80,22 @@ def compare(gguf_path, tokenizer, ids, label):
     finally:
         llama.close()
     assert torch_lp.shape == llama_lp.shape == (len(ids) - 1,)
+    return torch_lp, torch_top, llama_lp, llama_top
+
+
+def agreement_stats(torch_lp, torch_top, llama_lp, llama_top, label) -> tuple[float, float]:
+    """Print and return (argmax agreement, mean |dlogp|) of two engines' scores."""
     agreement = float(np.mean(torch_top == llama_top))
     diff = np.abs(torch_lp.astype(np.float64) - llama_lp)
-    print(f"\n[parity {label}] {len(ids)} tokens: argmax agreement {agreement:.2%}, mean |dlogp| "
+    print(f"\n[parity {label}] {len(diff)} next-token predictions: argmax agreement {agreement:.2%}, mean |dlogp| "
           f"{diff.mean():.4f} nats, max {diff.max():.4f}, p99 {np.percentile(diff, 99):.4f}, "
           f"mean logp torch {torch_lp.mean():.4f} llama.cpp {llama_lp.mean():.4f}")
     return agreement, float(diff.mean())
+
+
+def compare(gguf_path, tokenizer, ids, label, threads: int = 2) -> tuple[float, float]:
+    """Score `ids` with both engines; print and return (argmax agreement, mean |dlogp|)."""
+    return agreement_stats(*score_both(gguf_path, tokenizer, ids, threads), label)
 
 
 @pytest.mark.slow
@@ -98,15 +110,14 @@ def test_parity_same_weights(model_path, tokenizer, text_ids, tmp_path_factory):
     assert mean_diff < MAX_MEAN_ABS_DLOGP
 
 
-@pytest.mark.slow
-def test_parity_default_model(model_path, tokenizer, text_ids):
-    agreement, mean_diff = compare(model_path, tokenizer, text_ids, "default Q4_1 model")
-    # llama.cpp's own noise floor: the same tokens scored one at a time (its decode kernels)
-    batched = LlamaCppStockEngine(model_path, tokenizer, EngineOptions(method="full", chunk_size=512, threads=2))
-    single = LlamaCppStockEngine(model_path, tokenizer, EngineOptions(method="full", chunk_size=1, threads=2))
+def llama_noise_floor(gguf_path, tokenizer, ids, threads: int = 2) -> tuple[float, float]:
+    """llama.cpp's own noise floor: the same tokens scored one at a time (its decode kernels) vs in
+    512-token batches; returns (argmax agreement, mean |dlogp|) between the two."""
+    batched = LlamaCppStockEngine(gguf_path, tokenizer, EngineOptions(method="full", chunk_size=512, threads=threads))
+    single = LlamaCppStockEngine(gguf_path, tokenizer, EngineOptions(method="full", chunk_size=1, threads=threads))
     try:
-        lp_batched, top_batched = batched.score(text_ids)
-        lp_single, top_single = single.score(text_ids)
+        lp_batched, top_batched = batched.score(ids)
+        lp_single, top_single = single.score(ids)
     finally:
         batched.close()
         single.close()
@@ -114,6 +125,13 @@ def test_parity_default_model(model_path, tokenizer, text_ids):
     floor_diff = float(np.abs(lp_single - lp_batched).mean())
     print(f"[parity llama.cpp noise floor] batch-1 vs batched: argmax agreement {floor_agreement:.2%}, "
           f"mean |dlogp| {floor_diff:.4f} nats (issue thresholds {MIN_AGREEMENT:.0%} / {MAX_MEAN_ABS_DLOGP})")
+    return floor_agreement, floor_diff
+
+
+@pytest.mark.slow
+def test_parity_default_model(model_path, tokenizer, text_ids):
+    agreement, mean_diff = compare(model_path, tokenizer, text_ids, "default Q4_1 model")
+    floor_agreement, floor_diff = llama_noise_floor(model_path, tokenizer, text_ids)
     # torch must sit within llama.cpp's own spread (25% / 1 point of slack for thread-count effects);
     # a real model bug (RoPE layout, eps, masking) costs several times more than this
     assert mean_diff <= floor_diff * 1.25, "torch is further from llama.cpp than llama.cpp's two paths are apart"

@@ -8,33 +8,42 @@ import torch
 import torch.nn.functional as F
 
 
-def chunk_causal_mask(n_query: int, n_key: int, device: torch.device | None = None) -> torch.Tensor | None:
-    """Boolean mask [n_query, n_key] for a chunk whose queries are the last `n_query` of `n_key` keys.
+def chunk_causal_mask(n_query: int, n_key: int, device: torch.device | None = None,
+                      window: int | None = None) -> torch.Tensor | None:
+    """Boolean mask [n_query, n_key] for a chunk whose queries are the last `n_query` of `n_key` keys
+    (keys at consecutive positions). True = may attend.
 
-    True = may attend. None when every query may see every key (a single decode token).
+    window: sliding-window attention (Gemma 3 local layers): a query sees only the `window` most recent
+    keys, itself included (llama.cpp's LLAMA_SWA_TYPE_STANDARD: masked when q_pos - k_pos >= window).
+    None when every query may see every key (a single decode token within the window).
     """
-    if n_query == 1:
+    if n_query == 1 and (window is None or n_key <= window):
         return None
     offset = n_key - n_query
-    q_idx = torch.arange(n_query, device=device)[:, None]
+    q_idx = torch.arange(n_query, device=device)[:, None] + offset
     k_idx = torch.arange(n_key, device=device)[None, :]
-    return k_idx <= q_idx + offset
+    mask = k_idx <= q_idx
+    if window is not None:
+        mask &= q_idx - k_idx < window
+    return mask
 
 
 class CausalBias:
     """Additive causal mask [1, T, S] for a chunk, built once and shared by all layers of the chunk
-    (a bool mask would be converted by SDPA again in every layer)."""
+    (a bool mask would be converted by SDPA again in every layer). With `window`, also masks keys
+    more than window - 1 positions before the query (sliding-window layers)."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, window: int | None = None) -> None:
         self.device = device
+        self.window = window
         self._key: tuple[int, int] | None = None
         self._bias: torch.Tensor | None = None
 
     def __call__(self, n_query: int, n_key: int) -> torch.Tensor | None:
-        if n_query == 1:
+        if n_query == 1 and (self.window is None or n_key <= self.window):
             return None
         if self._key != (n_query, n_key):
-            mask = chunk_causal_mask(n_query, n_key, self.device)
+            mask = chunk_causal_mask(n_query, n_key, self.device, self.window)
             self._bias = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))[None]
             self._key = (n_query, n_key)
         return self._bias

@@ -80,19 +80,29 @@ class CachePolicy(ABC):
 
     Shapes: q [n_heads, T, head_dim], k/v [n_kv_heads, T, head_dim], all pre-RoPE, float32;
     `positions` [T] int64 absolute positions of the chunk.
+
+    Models with sliding-window layers (Gemma 3, `config.has_local_layers`) need a method that masks
+    keys older than the window on those layers and rotates them with the local RoPE
+    (`layer_rope`); only methods that set `supports_sliding_window` accept such a model.
     """
 
     name: str = "base"
     #: whether `end_chunk` needs logits for every prefill token (e.g. SeKV's surprisal)
     needs_all_logits: bool = False
+    #: whether the method handles local (sliding-window) layers with their own RoPE
+    supports_sliding_window: bool = False
 
     def __init__(self, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu") -> None:
+        if config.has_local_layers and not self.supports_sliding_window:
+            raise SekvError(f"method '{self.name}' does not support {config.architecture} models yet (their "
+                            f"sliding-window layers need their own masking and RoPE); use method 'full'")
         self.config = config
         self.rope = rope
         self.device = torch.device(device)
         self.n_tokens = 0
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._peak_device = 0
 
     # -- the engine's calls -------------------------------------------------------------------
@@ -100,7 +110,15 @@ class CachePolicy(ABC):
         """Called once before the layers run over a chunk of tokens at `positions` [T]."""
         self._positions = positions
         self._cos_sin = self.rope.cos_sin(positions)
+        self._local_cos_sin = self.rope.local.cos_sin(positions) if self.rope.local is not None else None
         self._is_prefill = is_prefill
+
+    def layer_rope(self, layer: int) -> tuple[Rope, tuple[torch.Tensor, torch.Tensor]]:
+        """The RoPE of `layer` and its cos/sin tables [T, rope_dim/2] for the current chunk."""
+        rope = self.rope.for_layer(layer)
+        if rope is self.rope:
+            return rope, self._cos_sin
+        return rope, self._local_cos_sin
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""`full`: the plain KV cache (every token, every layer, f16 by default) — the baseline."""
+"""`full`: the plain KV cache (every token, every layer, f16 by default) — the baseline.
+
+On models with sliding-window layers (Gemma 3) those layers keep only what their queries can still
+see: the last `sliding_window - 1` tokens (plus at most `grow_tokens` not yet dropped, and the chunk
+being read), as llama.cpp's SWA cache does; keys further back are masked out of the softmax.
+"""
 
 from __future__ import annotations
 
@@ -72,8 +77,47 @@ class GrowingKV:
         return self.v[:, : self.length]
 
 
+class WindowKV(GrowingKV):
+    """Post-RoPE K/V of a sliding-window layer: rows of the last `keep` positions (and some slack).
+
+    Rows are consecutive positions; `start` is the absolute position of row 0. `evict` drops rows no
+    future query can see, but only once at least `step` of them piled up (one copy per `step`
+    decode tokens), moving the survivors into a right-sized buffer so memory stays bounded.
+    """
+
+    def __init__(self, n_kv: int, head_dim: int, dtype: torch.dtype, step: int, device: torch.device,
+                 keep: int) -> None:
+        super().__init__(n_kv, head_dim, dtype, step, device)
+        self.keep = keep
+        self.start = 0
+
+    def evict(self) -> None:
+        drop = self.length - self.keep
+        if drop < self.step:
+            return
+        capacity = -(-(self.keep + self.step) // self.step) * self.step
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
+            new[:, : self.keep] = old[:, drop: self.length]
+            setattr(self, name, new)
+        self.length = self.keep
+        self.start += drop
+
+    def snapshot(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(start, K rows, V rows) copied, to restore with `restore` after later evictions."""
+        return self.start, self.keys().clone(), self.values().clone()
+
+    def restore(self, snapshot: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        start, k, v = snapshot
+        self.length = 0
+        self.start = start
+        self.append(k, v)
+
+
 class FullCache(CachePolicy):
     name = "full"
+    supports_sliding_window = True
 
     def __init__(self, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu",
                  budget: float | int | None = None, **options: Any) -> None:
@@ -82,42 +126,66 @@ class FullCache(CachePolicy):
             raise SekvError("full: keeps every token; it takes no --budget (use a compressing method)")
         self.cfg = FullConfig(**options)
         self._causal = CausalBias(self.device)
-        self.layers = [GrowingKV(config.n_kv_heads, config.head_dim, _DTYPES[self.cfg.dtype], self.cfg.grow_tokens,
-                                 self.device) for _ in range(config.n_layers)]
+        self._causal_local = CausalBias(self.device, window=config.sliding_window)
+        dtype, step = _DTYPES[self.cfg.dtype], self.cfg.grow_tokens
+        self.layers: list[GrowingKV] = [
+            WindowKV(config.n_kv_heads, config.head_dim, dtype, step, self.device, keep=config.sliding_window - 1)
+            if config.is_local(i) else GrowingKV(config.n_kv_heads, config.head_dim, dtype, step, self.device)
+            for i in range(config.n_layers)]
+        self._global = [i for i in range(config.n_layers) if not config.is_local(i)]
+        self._windows = {i: store for i, store in enumerate(self.layers) if isinstance(store, WindowKV)}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         store = self.layers[layer]
-        store.append(self.rope.apply(k, self._positions, self._cos_sin), v)
-        q_rot = self.rope.apply(q, self._positions, self._cos_sin)
+        rope, cos_sin = self.layer_rope(layer)
+        store.append(rope.apply(k, self._positions, cos_sin), v)
+        q_rot = rope.apply(q, self._positions, cos_sin)
         keys, values = store.keys(), store.values()
-        return gqa_attention(q_rot, keys, values, bias=self._causal(q.shape[1], keys.shape[1]))
+        causal = self._causal_local if isinstance(store, WindowKV) else self._causal
+        out = gqa_attention(q_rot, keys, values, bias=causal(q.shape[1], keys.shape[1]))
+        if isinstance(store, WindowKV):
+            store.evict()
+        return out
 
     def max_tokens(self) -> int | None:
         return self.cfg.max_tokens or self.config.context_length
 
-    def mark(self) -> tuple[int, int]:
-        return (self.n_tokens, self.layers[0].length)
+    def mark(self) -> tuple[int, int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]:
+        """(tokens, rows of the global layers, copies of the sliding-window layers' rows: they may be
+        evicted after the mark, so truncating cannot bring them back)."""
+        snapshots = {i: store.snapshot() for i, store in self._windows.items()}
+        length = self.layers[self._global[0]].length if self._global else self.n_tokens
+        return (self.n_tokens, length, snapshots)
 
-    def rollback(self, mark: tuple[int, int]) -> None:
+    def rollback(self, mark: tuple[int, int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]) -> None:
         self.n_tokens = mark[0]
-        for store in self.layers:
-            store.truncate(mark[1])
+        for i in self._global:
+            self.layers[i].truncate(mark[1])
+        for i, snapshot in mark[2].items():
+            self._windows[i].restore(snapshot)
 
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors = {}
         for i, store in enumerate(self.layers):
             tensors[f"L{i}.k"], tensors[f"L{i}.v"] = store.keys(), store.values()
-        return tensors, {"n_tokens": self.n_tokens, "length": self.layers[0].length}
+        meta: dict[str, Any] = {"n_tokens": self.n_tokens,
+                                "length": self.layers[self._global[0]].length if self._global else 0}
+        if self._windows:
+            local = next(iter(self._windows.values()))  # every local layer holds the same positions
+            meta["local_start"], meta["local_length"] = local.start, local.length
+        return tensors, meta
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        length = int(meta["length"])
         c = self.config
         for i, store in enumerate(self.layers):
+            length = int(meta["local_length"] if c.is_local(i) else meta["length"])
             k, v = tensors[f"L{i}.k"], tensors[f"L{i}.v"]
             if k.shape != (c.n_kv_heads, length, c.head_dim) or v.shape != k.shape:
                 raise ValueError(f"layer {i}: K/V of shape {tuple(k.shape)} do not fit the model")
             store.truncate(0)
             store.append(k, v)
+            if isinstance(store, WindowKV):
+                store.start = int(meta["local_start"])
         self.n_tokens = int(meta["n_tokens"])
 
     def device_tensors(self, layer: int) -> list[torch.Tensor]:

@@ -6,12 +6,17 @@ from dataclasses import dataclass
 
 from ..errors import ModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions and settings of a Llama-family decoder, as the GGUF states them."""
+    """Dimensions and settings of a Llama-family decoder, as the GGUF states them.
+
+    The fields after `rope_freq_factors` describe the Gemma 3 additions; their defaults are the plain
+    Llama layout, so llama / mistral / qwen2 configs never set them.
+    """
 
     architecture: str
     n_layers: int
@@ -29,6 +34,19 @@ class ModelConfig:
     rope_interleaved: bool  # llama-arch GGUFs permute Q/K so RoPE rotates adjacent pairs
     name: str = ""
     rope_freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (llama 3.1 `rope_freqs`)
+    # -- Gemma 3 ------------------------------------------------------------------------------------
+    #: per layer, True = local layer: attends only to the last `sliding_window` positions (itself
+    #: included) and uses the local RoPE below; () = every layer is global (full causal attention)
+    local_layers: tuple[bool, ...] = ()
+    sliding_window: int | None = None  # keys a local-layer query sees, itself included
+    rope_base_local: float | None = None  # RoPE base of local layers (None = rope_base)
+    rope_scale_local: float = 1.0  # linear position scaling of local layers (llama.cpp: never scaled)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (attn_q_norm / attn_k_norm)
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs before the residual add
+    mlp_activation: str = "silu"  # of the gate in the gated MLP: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(n_embd))
+    attention_scale: float | None = None  # softmax scale of q.k (None = 1/sqrt(head_dim))
+    final_logit_softcap: float = 0.0  # logits -> c * tanh(logits / c) when > 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -41,6 +59,29 @@ class ModelConfig:
             raise ModelError(f"RoPE dimension {self.rope_dim} does not fit head dim {self.head_dim}")
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.rope_dim // 2:
             raise ModelError(f"rope_freqs has {len(self.rope_freq_factors)} entries, expected {self.rope_dim // 2}")
+        if self.local_layers and len(self.local_layers) != self.n_layers:
+            raise ModelError(f"the layer pattern names {len(self.local_layers)} layers, the model has {self.n_layers}")
+        if any(self.local_layers) and (self.sliding_window is None or self.sliding_window < 1):
+            raise ModelError(f"local (sliding-window) layers need a positive window, got {self.sliding_window}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ModelError(f"unknown MLP activation '{self.mlp_activation}' (known: {', '.join(MLP_ACTIVATIONS)})")
+        if self.attention_scale is not None and not self.attention_scale > 0:
+            raise ModelError(f"attention scale must be positive, got {self.attention_scale}")
+        if self.final_logit_softcap < 0:
+            raise ModelError(f"final logit softcap must be >= 0, got {self.final_logit_softcap}")
+
+    @property
+    def has_local_layers(self) -> bool:
+        """Whether some layers use sliding-window attention (Gemma 3)."""
+        return any(self.local_layers)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` is a sliding-window (local) layer."""
+        return bool(self.local_layers) and self.local_layers[layer]
+
+    def window(self, layer: int) -> int | None:
+        """Keys a query of `layer` may see (itself included), or None for full causal attention."""
+        return self.sliding_window if self.is_local(layer) else None
 
     @property
     def group_size(self) -> int:

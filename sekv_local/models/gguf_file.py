@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -73,9 +74,11 @@ class GGUFModelFile:
         vocab = self.metadata(f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+        n_layers = int(need("block_count"))
+        extra = self._gemma3_settings(arch, n_layers, n_embd, n_heads, head_dim) if arch == "gemma3" else {}
         return ModelConfig(
             architecture=arch,
-            n_layers=int(need("block_count")),
+            n_layers=n_layers,
             n_embd=n_embd,
             n_ff=int(need("feed_forward_length")),
             n_heads=n_heads,
@@ -90,6 +93,46 @@ class GGUFModelFile:
             rope_interleaved=arch in ("llama", "mistral"),
             name=str(self.metadata("general.name", self.path.stem)),
             rope_freq_factors=freq_factors,
+            **extra,
+        )
+
+    def _gemma3_settings(self, arch: str, n_layers: int, n_embd: int, n_heads: int, head_dim: int) -> dict[str, Any]:
+        """The Gemma 3 fields of ModelConfig, decided the way llama.cpp decides them
+        (src/models/gemma3.cpp, llama_model_base::load_swa_pattern, llama_hparams::set_swa_pattern).
+
+        * Local layers: when `gemma3.attention.sliding_window` > 0, `attention.sliding_window_pattern`
+          is either a per-layer bool array, or a period n (default 6) with layer i local iff
+          i % n < n - 1 (n = 0: all local): 5 local layers, then 1 global, repeated.
+        * RoPE: local layers use `rope.freq_base_swa` (default 10000) and no position scaling;
+          global layers use `rope.freq_base` and the GGUF's rope scaling.
+        * Attention scale: 1/sqrt(key_length), except for the 27B model (62 layers) where Gemma uses
+          1/sqrt(n_embd / n_heads); llama.cpp takes it from the layer count, not from metadata.
+        * Norm weights are used as stored: the GGUF converter already added Gemma's +1.
+        """
+        window = int(self.metadata(f"{arch}.attention.sliding_window", 0) or 0)
+        local: tuple[bool, ...] = ()
+        if window > 0:
+            pattern = self.metadata(f"{arch}.attention.sliding_window_pattern", 6)
+            if isinstance(pattern, (list, tuple)):
+                if len(pattern) != n_layers:
+                    raise ModelError(f"{self.path.name}: sliding_window_pattern has {len(pattern)} entries for "
+                                     f"{n_layers} layers")
+                local = tuple(bool(x) for x in pattern)
+            else:
+                n = int(pattern)
+                local = tuple(n == 0 or i % n < n - 1 for i in range(n_layers))
+        scale_dim = n_embd // n_heads if n_layers == 62 else head_dim
+        return dict(
+            local_layers=local,
+            sliding_window=window if any(local) else None,
+            rope_base_local=float(self.metadata(f"{arch}.rope.freq_base_swa", 10000.0)),
+            rope_scale_local=1.0,
+            qk_norm=True,
+            post_norms=True,
+            mlp_activation="gelu_tanh",
+            embed_scale=math.sqrt(n_embd),
+            attention_scale=1.0 / math.sqrt(scale_dim),
+            final_logit_softcap=float(self.metadata(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
         )
 
     def router_params(self) -> Any:

@@ -2,6 +2,23 @@
 
 The document is tokenized on its own so that its cache can be built once and reused across questions;
 the chat template around it is rendered with sentinels and split at them.
+
+A GGUF without a chat template (a base model such as Gemma 3 270M) gets a completion-style QA layout
+instead, which a base model continues naturally:
+
+    <bos>Read the document below and answer questions about it.
+
+    Document:
+    {document}
+
+    Question: {question 1}
+    Answer: {answer 1}
+
+    Question: {question 2}
+    Answer:
+
+Its answers end at the end of their line (`answer_ends_at_newline`): a base model would otherwise go
+on writing the next "Question:" itself.
 """
 
 from __future__ import annotations
@@ -28,7 +45,8 @@ class Turn:
 
 
 class PromptBuilder:
-    """Renders the GGUF's chat template around a document and a conversation."""
+    """Renders the GGUF's chat template around a document and a conversation (or, for a GGUF without
+    one, the completion-style QA layout of the module docstring)."""
 
     def __init__(self, tokenizer: Tokenizer, instruction: str = DEFAULT_INSTRUCTION) -> None:
         self.tokenizer = tokenizer
@@ -41,8 +59,30 @@ class PromptBuilder:
         else:
             self._template = None
 
+    @property
+    def completion(self) -> bool:
+        """Whether this is the completion-style layout (the GGUF has no chat template)."""
+        return self._template is None
+
+    @property
+    def answer_ends_at_newline(self) -> bool:
+        """Whether an answer ends at the first line break after its first words (completion layout),
+        besides the model's end-of-generation tokens."""
+        return self.completion
+
+    def _render_completion(self, turns: list[Turn], question: str | None, answer: str | None) -> str:
+        """The completion-style QA layout, `_DOC` in place of the document."""
+        text = f"{self.instruction}\n\nDocument:\n{_DOC}\n\n"
+        for turn in turns:
+            text += f"Question: {turn.question}\nAnswer: {turn.answer}\n\n"
+        if question is not None:
+            text += f"Question: {question}\nAnswer:" + (f" {answer}" if answer is not None else "")
+        return text
+
     def _render(self, turns: list[Turn], question: str | None, answer: str | None) -> str:
         """The conversation with `_DOC` in place of the document (and `_ASK`/`_ANS` sentinels)."""
+        if self._template is None:
+            return self._render_completion(turns, question, answer)
         first_user = f"{self.instruction}\n\n{_DOC}\n\n"
         messages = []
         for i, turn in enumerate(turns):
@@ -52,11 +92,6 @@ class PromptBuilder:
             messages.append({"role": "user", "content": (first_user if not turns else "") + question})
             if answer is not None:
                 messages.append({"role": "assistant", "content": answer})
-        if self._template is None:  # plain completion layout for GGUFs without a chat template
-            text = ""
-            for m in messages:
-                text += ("Question: " if m["role"] == "user" else "Answer: ") + m["content"] + "\n"
-            return text + ("Answer:" if answer is None else "")
         return self._template.render(messages=messages, add_generation_prompt=answer is None,
                                      bos_token="", eos_token="")
 
@@ -78,8 +113,12 @@ class PromptBuilder:
 
     def document_tokens(self, document: str) -> tuple[list[int], list[int]]:
         """(prefix ids, document ids); the prefix parses control tokens, the document never does
-        (a book that contains '<|im_end|>' must not end the turn)."""
-        return self.tokenizer.encode(self.document_prefix(), special=True), self.tokenizer.encode(document)
+        (a book that contains '<|im_end|>' must not end the turn). The completion layout starts with
+        BOS when the GGUF asks for one (Gemma is not usable without it); the chat-template path is unchanged."""
+        prefix = self.tokenizer.encode(self.document_prefix(), special=True)
+        if self.completion and self.tokenizer.add_bos and self.tokenizer.bos_id >= 0:
+            prefix = [self.tokenizer.bos_id] + prefix
+        return prefix, self.tokenizer.encode(document)
 
     def turn_tokens(self, turns: list[Turn], question: str) -> list[int]:
         """Ids of the turn text; the user's question is not parsed for control tokens."""

@@ -12,17 +12,32 @@ class Rope:
 
     Keeping RoPE a separate step (rather than baked into cached keys) is what lets cache methods
     store keys before RoPE and choose positions when they rebuild them.
+
+    Models with sliding-window layers (Gemma 3) rotate those with their own base and scale:
+    `Rope(config)` is the global layers' RoPE and carries the local one in `.local`;
+    `for_layer(i)` picks the right one (on other models `.local` is None and it is always self).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, local: bool = False) -> None:
         self.dim = config.rope_dim
         self.interleaved = config.rope_interleaved
-        self.scale = config.rope_scale
+        self.config = config
+        if local:
+            base = config.rope_base_local if config.rope_base_local is not None else config.rope_base
+            self.scale = config.rope_scale_local
+        else:
+            base, self.scale = config.rope_base, config.rope_scale
+        self.base = base
         exponent = torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim
-        inv_freq = 1.0 / (config.rope_base ** exponent)  # [dim/2]
+        inv_freq = 1.0 / (base ** exponent)  # [dim/2]
         if config.rope_freq_factors is not None:
             inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
         self.inv_freq = inv_freq.to(torch.float32)
+        self.local: Rope | None = Rope(config, local=True) if config.has_local_layers and not local else None
+
+    def for_layer(self, layer: int) -> "Rope":
+        """The RoPE of `layer`: the local one on sliding-window layers, else this one."""
+        return self.local if self.local is not None and self.config.is_local(layer) else self
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables for `positions` [T] -> two tensors [T, dim/2] (float32)."""

@@ -1,7 +1,14 @@
-"""A Llama-family decoder (llama / mistral / qwen2) in PyTorch, attention delegated to a cache policy."""
+"""A Llama-family decoder (llama / mistral / qwen2, and gemma3) in PyTorch, attention delegated to a cache policy.
+
+Gemma 3 adds, all switched on by ModelConfig fields (see config.py): embeddings scaled by sqrt(n_embd),
+per-head RMSNorm of q and k before RoPE, RMSNorm of the attention and MLP outputs before each residual
+add, a GELU(tanh)-gated MLP, and sliding-window local layers (masking and their RoPE are the cache
+policy's job). GGUF norm weights already include Gemma's +1, so every norm is a plain RMSNorm.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -16,14 +23,20 @@ if TYPE_CHECKING:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., n] with weight [n]."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class DecoderLayer(nn.Module):
-    """Weights of one block; Q, K, V fused into one matmul and gate/up into another (fewer CPU calls)."""
+    """Weights of one block; Q, K, V fused into one matmul and gate/up into another (fewer CPU calls).
+
+    q_norm/k_norm [head_dim] and post_attn_norm/post_ffn_norm [n_embd] are Gemma 3's (None otherwise).
+    """
 
     def __init__(self, wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, w_gate_up: torch.Tensor,
-                 w_down: torch.Tensor, attn_norm: torch.Tensor, ffn_norm: torch.Tensor) -> None:
+                 w_down: torch.Tensor, attn_norm: torch.Tensor, ffn_norm: torch.Tensor,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 post_attn_norm: torch.Tensor | None = None, post_ffn_norm: torch.Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("wqkv", wqkv)  # [(H + 2 KV) * D, n_embd]
         self.register_buffer("bqkv", bqkv)  # [(H + 2 KV) * D] or None
@@ -32,6 +45,10 @@ class DecoderLayer(nn.Module):
         self.register_buffer("w_down", w_down)  # [n_embd, n_ff]
         self.register_buffer("attn_norm", attn_norm)
         self.register_buffer("ffn_norm", ffn_norm)
+        self.register_buffer("q_norm", q_norm)  # [D] or None
+        self.register_buffer("k_norm", k_norm)  # [D] or None
+        self.register_buffer("post_attn_norm", post_attn_norm)  # [n_embd] or None
+        self.register_buffer("post_ffn_norm", post_ffn_norm)  # [n_embd] or None
 
 
 class Transformer(nn.Module):
@@ -45,6 +62,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.register_buffer("out_norm", out_norm)
         self.register_buffer("lm_head", lm_head)  # None when tied to the embedding
+        # Cache policies attend with the default 1/sqrt(head_dim) scale; a model with another scale gets
+        # its queries pre-multiplied (what llama.cpp does for gemma3: ggml_scale on Qcur).
+        scale = config.attention_scale
+        self.q_scale = 1.0 if scale is None else scale * math.sqrt(config.head_dim)
+        self.act = F.silu if config.mlp_activation == "silu" else _gelu_tanh
 
     @classmethod
     def from_gguf(cls, gguf_file: GGUFModelFile, device: torch.device | str = "cpu") -> "Transformer":
@@ -58,11 +80,17 @@ class Transformer(nn.Module):
             bqkv = None
             if gguf_file.has_tensor(p + "attn_q.bias"):
                 bqkv = torch.cat([t(p + "attn_q.bias", (H * D,)), t(p + "attn_k.bias", (KV * D,)), t(p + "attn_v.bias", (KV * D,))])
+            gemma: dict[str, torch.Tensor] = {}
+            if cfg.qk_norm:
+                gemma.update(q_norm=t(p + "attn_q_norm.weight", (D,)), k_norm=t(p + "attn_k_norm.weight", (D,)))
+            if cfg.post_norms:
+                gemma.update(post_attn_norm=t(p + "post_attention_norm.weight", (E,)),
+                             post_ffn_norm=t(p + "post_ffw_norm.weight", (E,)))
             layers.append(DecoderLayer(
                 wqkv=torch.cat([wq, wk, wv]), bqkv=bqkv, wo=t(p + "attn_output.weight", (E, H * D)),
                 w_gate_up=torch.cat([t(p + "ffn_gate.weight", (FF, E)), t(p + "ffn_up.weight", (FF, E))]),
                 w_down=t(p + "ffn_down.weight", (E, FF)),
-                attn_norm=t(p + "attn_norm.weight", (E,)), ffn_norm=t(p + "ffn_norm.weight", (E,)),
+                attn_norm=t(p + "attn_norm.weight", (E,)), ffn_norm=t(p + "ffn_norm.weight", (E,)), **gemma,
             ))
         embed = t("token_embd.weight", (cfg.vocab_size, E))
         lm_head = t("output.weight", (cfg.vocab_size, E)) if gguf_file.has_tensor("output.weight") else None
@@ -71,26 +99,50 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: "CachePolicy",
                 logits: Literal["last", "all", "none"] = "last") -> torch.Tensor | None:
-        """Run `tokens` [T] (positions come from the cache's begin_chunk) through all layers."""
+        """Run `tokens` [T] (positions come from the cache's begin_chunk) through all layers.
+
+        Returns logits [T, vocab] ("all"), [1, vocab] ("last") or None ("none").
+        """
         cfg = self.config
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         T = tokens.shape[0]
         x = F.embedding(tokens, self.embed)  # [T, E]
+        if cfg.embed_scale != 1.0:
+            x = x * cfg.embed_scale
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_eps)
             qkv = F.linear(h, layer.wqkv, layer.bqkv)  # [T, (H + 2KV) D]
-            q = qkv[:, : H * D].view(T, H, D).transpose(0, 1)
-            k = qkv[:, H * D: (H + KV) * D].view(T, KV, D).transpose(0, 1)
-            v = qkv[:, (H + KV) * D:].view(T, KV, D).transpose(0, 1)
+            q = qkv[:, : H * D].view(T, H, D).transpose(0, 1)  # [H, T, D]
+            k = qkv[:, H * D: (H + KV) * D].view(T, KV, D).transpose(0, 1)  # [KV, T, D]
+            v = qkv[:, (H + KV) * D:].view(T, KV, D).transpose(0, 1)  # [KV, T, D]
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_eps)
+            if self.q_scale != 1.0:
+                q = q * self.q_scale
             attn = cache.attend(i, q, k, v)  # [H, T, D]
-            x = x + F.linear(attn.transpose(0, 1).reshape(T, H * D), layer.wo)
+            out = F.linear(attn.transpose(0, 1).reshape(T, H * D), layer.wo)  # [T, E]
+            if layer.post_attn_norm is not None:
+                out = rms_norm(out, layer.post_attn_norm, cfg.rms_eps)
+            x = x + out
             h = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)  # [T, FF] each
+            out = F.linear(self.act(gate) * up, layer.w_down)  # [T, E]
+            if layer.post_ffn_norm is not None:
+                out = rms_norm(out, layer.post_ffn_norm, cfg.rms_eps)
+            x = x + out
         if logits == "none":
             return None
         if logits == "last":
             x = x[-1:]
         x = rms_norm(x, self.out_norm, cfg.rms_eps)
         head = self.lm_head if self.lm_head is not None else self.embed
-        return F.linear(x, head)
+        out = F.linear(x, head)  # [T or 1, vocab]
+        if cfg.final_logit_softcap > 0:
+            out = torch.tanh(out / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return out
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (ggml_gelu, Gemma's `gelu_pytorch_tanh`)."""
+    return F.gelu(x, approximate="tanh")
