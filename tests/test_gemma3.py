@@ -119,13 +119,39 @@ def test_window_mask_matches_llama_cpp_rule() -> None:
     assert chunk_causal_mask(1, 3, window=2).tolist() == [[False, True, True]]
 
 
-def test_other_cache_methods_refuse_sliding_window_models() -> None:
+def test_every_method_compresses_the_global_layers_and_keeps_the_windows_exact() -> None:
+    torch.manual_seed(0)
+    n, c = 400, TINY
+    q = torch.randn(c.n_layers, c.n_heads, n + 2, c.head_dim)  # 2 more tokens to roll back
+    k = torch.randn(c.n_layers, c.n_kv_heads, n + 2, c.head_dim)
+    v = torch.randn(c.n_layers, c.n_kv_heads, n + 2, c.head_dim)
+    rope = Rope(c)
+    expected = [reference_attention(rope.for_layer(i), q[i], k[i], v[i], c.window(i)) for i in (0, 2)]
     for name in available_policies():
-        if name == "full":
-            continue
-        budget = None if name.startswith("quant") else 0.5
-        with pytest.raises(SekvError, match="does not support gemma3"):
-            create_policy(name, TINY, Rope(TINY), budget=budget)
+        if name == "full" or name.startswith("sekv") or name == "xkv":
+            continue  # their fixed rows (recent window, chunk, working set) exceed this tiny model's whole KV
+        budget = None if name.startswith("quant") else 0.6
+        policy = create_policy(name, c, rope, budget=budget)
+        policy.reserve(n)
+        chunk = min(policy.max_chunk_tokens() or n, 16)
+        got = feed(policy, q, k, v, 0, [chunk] * (n // chunk) + [1] * (n % chunk))
+        for i, want in zip((0, 2), expected):  # local layers: exact sliding-window attention, f16 rows
+            torch.testing.assert_close(got[i].double(), want[:, :n], atol=2e-2, rtol=2e-2, msg=name)
+        assert torch.isfinite(got[1]).all(), name
+        report = policy.memory()
+        assert report.full_kv_bytes == c.full_kv_bytes(n)
+        assert report.device_per_layer[0] == report.device_per_layer[2] > 0
+        if budget is not None:
+            assert report.device_peak_bytes <= budget * c.full_kv_bytes(n), name
+        mark = policy.mark()
+        feed(policy, q, k, v, n, [1, 1])
+        policy.rollback(mark)
+        assert policy.n_tokens == n, name
+
+
+def test_a_budget_smaller_than_the_windows_is_refused() -> None:
+    with pytest.raises(SekvError, match="sliding windows"):
+        create_policy("streaming", TINY, Rope(TINY), budget=0.01).reserve(160)
 
 
 def test_config_checks() -> None:
@@ -282,6 +308,24 @@ def test_session_answers_from_a_document_longer_than_the_window(gemma_path, gemm
     # local layers hold a bounded window, global ones every token
     per_layer = mem["device_per_layer"]
     assert per_layer[0] < per_layer[5] and per_layer[0] == per_layer[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sekv"])
+def test_compressing_methods_on_gemma3_hold_the_budget(gemma_path, gemma_tokenizer, method) -> None:
+    """The real model on the sample document at 50% of full-KV bytes: the windows of the 15 local
+    layers stay exact, the method compresses the 3 global layers, the device peak stays in budget."""
+    settings = SessionSettings(model=MODEL, threads=THREADS, chunk_size=512, max_new_tokens=16, method=method,
+                               budget=0.5)
+    s = Session.create(sample_document(), settings, show_progress=False, tokenizer=gemma_tokenizer)
+    s.ingest()
+    answer = s.answer("Who is the keeper of the lighthouse?")
+    mem = answer.memory
+    assert mem["device_peak_bytes"] <= 0.5 * mem["full_kv_bytes"]
+    per_layer = mem["device_per_layer"]
+    assert per_layer[0] == per_layer[1] > 0 and per_layer[5] != per_layer[0]
+    if method == "sekv":
+        assert mem["host_bytes"] > 0 and answer.text  # span factors on the host, an answer
 
 
 @pytest.mark.slow

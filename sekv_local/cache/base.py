@@ -83,7 +83,8 @@ class CachePolicy(ABC):
 
     Models with sliding-window layers (Gemma 3, `config.has_local_layers`) need a method that masks
     keys older than the window on those layers and rotates them with the local RoPE
-    (`layer_rope`); only methods that set `supports_sliding_window` accept such a model.
+    (`layer_rope`): `full` does it itself; `create_policy` runs every other method on the global layers
+    only, inside `MixedLayers` (mixed_layers.py), which keeps the local windows exact.
     """
 
     name: str = "base"
@@ -232,4 +233,9 @@ def create_policy(name: str, config: ModelConfig, rope: Rope, device: torch.devi
     """Build the policy registered as `name`; `budget` is a fraction of full-KV bytes or bytes."""
     if name not in _REGISTRY:
         raise SekvError(f"unknown cache method '{name}' (available: {', '.join(available_policies())})")
-    return _REGISTRY[name](config=config, rope=rope, device=device, budget=budget, **options)
+    factory = _REGISTRY[name]
+    if config.has_local_layers and name != "full":  # the method compresses the global layers only
+        from .mixed_layers import MixedLayers
+
+        return MixedLayers(factory, config, rope, device=device, budget=budget, **options)
+    return factory(config=config, rope=rope, device=device, budget=budget, **options)
