@@ -87,6 +87,7 @@ class Session:
         self._doc_ids: list[int] | None = None
         self.ingest_s = 0.0
         self._after_document: Any = None
+        self.folds = 0  # times the conversation was folded back to the document and its latest turns
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -118,6 +119,7 @@ class Session:
                 f"{_fitting_advice(len(doc_ids), limit)}")
         self.engine.reset()
         self.engine.reserve(len(prefix) + len(doc_ids))  # budgets are fractions of the document's full KV
+        self._check_host_memory(len(prefix) + len(doc_ids) + ANSWER_RESERVE, len(doc_ids))
         self.turns.clear()
         self.answers.clear()
         start = time.perf_counter()
@@ -127,6 +129,21 @@ class Session:
         self.document_tokens = len(doc_ids)
         self._prefix_tokens = len(prefix)
         self._after_document = self.engine.mark()
+
+    def _check_host_memory(self, n_tokens: int, doc_tokens: int) -> None:
+        """Refuse before reading when the method's host tier for n_tokens will not fit in host RAM."""
+        from .resources import available_host_bytes
+
+        needed = self.engine.host_bytes_needed(n_tokens)
+        available, source = available_host_bytes()
+        if not needed or available is None or needed <= available:
+            return
+        fits = int(doc_tokens * available / needed)
+        raise DocumentError(
+            f"{self.document.name} is {doc_tokens} tokens; method '{self.settings.method}' keeps its full-resolution "
+            f"copy in host RAM: about {needed / 2**20:,.0f} MiB for this document, but {available / 2**20:,.0f} MiB "
+            f"are available ({source}). A document of up to about {fits} tokens fits; or use a method without a "
+            f"host tier (--method snapkv or streaming), or free memory.")
 
     @property
     def ingested(self) -> bool:
@@ -200,10 +217,8 @@ class Session:
         if not keep_history:
             self.reset_conversation()
         ids = self.prompt.turn_tokens(self.turns, question)
-        if self.engine.n_tokens + len(ids) + max_new > self.engine.max_context():
-            # The conversation outgrew the context: start over from the document (it stays cached).
-            self.reset_conversation()
-            ids = self.prompt.turn_tokens(self.turns, question)
+        if not self._fits(len(ids) + max_new):
+            ids = self._fold_conversation(question, max_new)
         stats = self.engine.stats
         p0, d0 = stats.prefill_s, stats.decode_s
         self.engine.reset_observations()
@@ -246,6 +261,29 @@ class Session:
                 memory=self.engine.memory().as_dict(), observations=self._located(self.engine.observations())))
             if not keep_history:
                 self.reset_conversation()
+
+    def _fits(self, n_tokens: int) -> bool:
+        """Whether n_tokens more fit the context and the method's budget."""
+        room = self.engine.room_tokens()
+        return self.engine.n_tokens + n_tokens <= self.engine.max_context() and (room is None or n_tokens <= room)
+
+    def _fold_conversation(self, question: str, max_new: int) -> list[int]:
+        """The conversation outgrew the context or the budget: start again from the document (its memory
+        stays) with as many of the latest turns as fit in half the room, read again (a compressing method
+        folds them into its memory like the document). Returns the ids to feed for `question`."""
+        self.engine.rollback(self._after_document)
+        room = self.engine.room_tokens()
+        limit = min(self.engine.max_context() - self.engine.n_tokens, room if room is not None else 1 << 30)
+        kept: list[Turn] = []
+        ids = self.prompt.turn_tokens([], question)
+        for start in range(len(self.turns) - 1, -1, -1):
+            candidate = self.prompt.conversation_tokens(self.turns[start:], question)
+            if len(candidate) + max_new > limit // 2:
+                break
+            kept, ids = self.turns[start:], candidate
+        self.turns[:] = kept
+        self.folds += 1
+        return ids
 
     def passage(self, start_token: int, n_tokens: int) -> str:
         """Document text of tokens [start, start + n) (token offsets within the document)."""

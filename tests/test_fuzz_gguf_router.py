@@ -15,6 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from byte_damage import apply_damage, damage
+
 from sekv_local.errors import SekvError
 from sekv_local.models.gguf_file import GGUFModelFile
 from sekv_local.sekv.router_file import gguf_entries, params_of
@@ -70,30 +72,21 @@ def original(tmp_path_factory) -> bytes:
     return path.read_bytes()
 
 
-damage = st.one_of(
-    st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), min_size=1, max_size=8).map(lambda f: ("flip", f)),
-    st.integers(0, 10**6).map(lambda n: ("truncate", n)),
-    st.tuples(st.integers(0, 10**6), st.binary(min_size=1, max_size=64)).map(lambda x: ("insert", x)),
-)
-
-
 @seed(20261130)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(damage)
+@given(damage())
 def test_damaged_gguf_router_is_refused_or_valid(original: bytes, tmp_path: Path, change) -> None:
-    kind, arg = change
-    data = bytearray(original)
-    if kind == "flip":
-        for offset, mask in arg:
-            data[offset % len(data)] ^= mask
-    elif kind == "truncate":
-        data = data[: arg % len(data)]
-    else:
-        offset, blob = arg
-        data[offset % len(data): offset % len(data)] = blob
     path = tmp_path / "damaged.gguf"
-    path.write_bytes(bytes(data))
+    path.write_bytes(apply_damage(original, change))
     _read(path)
+
+
+def test_regression_a_string_value_that_is_not_utf8(original: bytes, tmp_path: Path) -> None:
+    # found by the fuzzer: a flipped byte in a string value made the gguf package raise UnicodeDecodeError
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(apply_damage(original, ("flip", [(0, 1), (0, 1), (648, 128)])))
+    with pytest.raises(SekvError, match="unreadable"):
+        GGUFModelFile(path).router_params()
 
 
 _values = st.one_of(st.integers(-2**40, 2**40), st.floats(allow_nan=True, width=32), st.text(max_size=30), st.booleans(),

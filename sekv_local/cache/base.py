@@ -149,6 +149,15 @@ class CachePolicy(ABC):
     def reset_observations(self) -> None:
         """Start collecting `observations()` afresh (called before each question)."""
 
+    def host_bytes_needed(self, n_tokens: int) -> int:
+        """Host RAM the method will hold for a context of n_tokens (an upper estimate; 0 = none)."""
+        return 0
+
+    def room_tokens(self) -> int | None:
+        """Tokens that can still be appended within the budget (None: no limit besides max_tokens, e.g.
+        methods that evict to stay in budget, or full KV)."""
+        return None
+
     # -- conversation rollback -----------------------------------------------------------------
     @abstractmethod
     def mark(self) -> Any:

@@ -85,6 +85,12 @@ class MixedLayers(CachePolicy):
     def max_tokens(self) -> int | None:
         return self.inner.max_tokens()
 
+    def room_tokens(self) -> int | None:
+        return self.inner.room_tokens()
+
+    def host_bytes_needed(self, n_tokens: int) -> int:
+        return self.inner.host_bytes_needed(n_tokens)
+
     # -- the engine's calls ------------------------------------------------------------------------
     def begin_chunk(self, positions: torch.Tensor, is_prefill: bool) -> None:
         super().begin_chunk(positions, is_prefill)

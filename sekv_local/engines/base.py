@@ -148,6 +148,14 @@ class Engine(ABC):
     def reset_observations(self) -> None:
         """Start a new answer's observations (e.g. SeKV's zoomed spans)."""
 
+    def room_tokens(self) -> int | None:
+        """Tokens the method can still take within its budget (None: only max_context limits)."""
+        return None
+
+    def host_bytes_needed(self, n_tokens: int) -> int:
+        """Host RAM the cache method will hold for n_tokens (0 when it keeps nothing in host RAM)."""
+        return 0
+
     def chunk_size(self) -> int:
         """Prefill chunk size: the option, capped by what the method allows."""
         return self.options.chunk_size

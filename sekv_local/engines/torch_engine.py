@@ -107,6 +107,12 @@ class TorchEngine(Engine):
         cap = self.cache.max_chunk_tokens()
         return min(self.options.chunk_size, cap) if cap else self.options.chunk_size
 
+    def room_tokens(self) -> int | None:
+        return self.cache.room_tokens()
+
+    def host_bytes_needed(self, n_tokens: int) -> int:
+        return self.cache.host_bytes_needed(n_tokens)
+
     def max_context(self) -> int:
         limit = self.cache.max_tokens()
         return limit if limit is not None else 1 << 30

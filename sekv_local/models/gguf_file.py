@@ -42,7 +42,11 @@ class GGUFModelFile:
         field = self._reader.fields.get(key)
         if field is None:
             return default
-        return field.contents()
+        try:
+            return field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError, TypeError) as exc:  # damaged value bytes
+            raise ModelError(f"{self.path.name}: metadata '{key}' is unreadable ({exc.__class__.__name__}); "
+                             "the file is damaged") from None
 
     def keys(self) -> list[str]:
         return list(self._reader.fields.keys())

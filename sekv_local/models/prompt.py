@@ -129,6 +129,14 @@ class PromptBuilder:
         return (self.tokenizer.encode(head, special=True) + self.tokenizer.encode(question)
                 + self.tokenizer.encode(tail, special=True))
 
+    def conversation_tokens(self, turns: list[Turn], question: str) -> list[int]:
+        """Ids of a whole conversation after the document: every turn of `turns` (question and answer)
+        and then `question`, as the session would have fed them one turn at a time."""
+        ids: list[int] = []
+        for i, turn in enumerate(turns):
+            ids += self.turn_tokens(turns[:i], turn.question) + self.tokenizer.encode(turn.answer)
+        return ids + self.turn_tokens(turns, question)
+
 
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)

@@ -395,6 +395,20 @@ class SekvCache(CachePolicy):
             S, l_max = x.shape[:2]
             store.add(x.reshape(S, 1, l_max, -1), lengths, self._energy(None), cap)
 
+    def host_bytes_needed(self, n_tokens: int) -> int:
+        """Span factors are never larger than the raw f16 spans (full-KV bytes); their buffers grow in
+        25% steps and copy when they grow: 1.5x full KV bounds the host tier."""
+        return int(1.5 * self.config.full_kv_bytes(n_tokens))
+
+    def room_tokens(self) -> int | None:
+        """Tokens that can still be appended without the device tier outgrowing the budget, counted at
+        the worst case of what compression makes of them: spans of the current minimum length (one
+        summary each) plus the anchor quota."""
+        held = self.span_len.length * self.span_bytes + self.exact_pos.length * self.token_bytes
+        free = self.budget_bytes - self.fixed_bytes - held
+        per_token = self.span_bytes / max(self.l_min, 1) + self.cfg.anchor_fraction * self.token_bytes
+        return max(0, int(free / per_token))
+
     def _energy(self, layer: int | None) -> float | torch.Tensor:
         """SVD energy a span keeps: the trained rank gate's (per KV head; its mean over a window of shared
         layers: their mean over all layers) or the configured threshold when the router is untrained."""

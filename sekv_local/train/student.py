@@ -22,12 +22,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..cache.base import CachePolicy
 from ..models.rope import Rope
 from ..sekv.config import SekvConfig
 from ..sekv.router import Router
 from ..sekv.segmentation import segment
-from .teacher import TeacherRecord
+from .teacher import OnePassPolicy, TeacherRecord
 
 RANK_TEMPERATURE = 0.02
 _EPS = 1e-6
@@ -78,7 +77,7 @@ def layout_spans(surprisal: torch.Tensor, cfg: SekvConfig) -> SpanLayout:
                       seg.span_start + start + seg.span_len // 2, weights)
 
 
-class SoftSekvCache(CachePolicy):
+class SoftSekvCache(OnePassPolicy):
     """Attention of the query tokens over the soft SeKV memory of the teacher's context (see module doc)."""
 
     name = "sekv-student"
@@ -179,15 +178,6 @@ class SoftSekvCache(CachePolicy):
         before = order.values.cumsum(-1) - order.values
         chosen = (before < cover * mass.sum(-1, keepdim=True)) & (order.values >= floor)
         return torch.zeros_like(mass).scatter_(-1, order.indices, chosen.float())
-
-    def mark(self) -> Any:
-        return None
-
-    def rollback(self, mark: Any) -> None:
-        return None
-
-    def device_tensors(self, layer: int) -> list[torch.Tensor]:
-        return []
 
 
 @dataclass

@@ -30,7 +30,20 @@ class TeacherRecord:
     surprisal: torch.Tensor
 
 
-class _RecordingCache(CachePolicy):
+class OnePassPolicy(CachePolicy):
+    """A policy for one forward pass in training: nothing to roll back, nothing counted as a tier."""
+
+    def mark(self) -> Any:
+        return None
+
+    def rollback(self, mark: Any) -> None:
+        return None
+
+    def device_tensors(self, layer: int) -> list[torch.Tensor]:
+        return []
+
+
+class _RecordingCache(OnePassPolicy):
     """Exact causal attention over one chunk (the whole sequence) that keeps K, V and the last queries."""
 
     name = "teacher"
@@ -49,15 +62,6 @@ class _RecordingCache(CachePolicy):
         T = q.shape[1]
         return gqa_attention(self.rope.apply(q, self._positions, self._cos_sin),
                              self.rope.apply(k, self._positions, self._cos_sin), v, mask=chunk_causal_mask(T, T))
-
-    def mark(self) -> Any:
-        return None
-
-    def rollback(self, mark: Any) -> None:
-        return None
-
-    def device_tensors(self, layer: int) -> list[torch.Tensor]:
-        return []
 
 
 @torch.no_grad()
