@@ -46,3 +46,11 @@ def test_damaged_documents_are_read_or_refused(seeds: dict[str, bytes], tmp_path
         assert str(exc) and "book" in str(exc)  # the message names the file
         return
     assert isinstance(doc, Document) and doc.text.strip()
+
+
+def test_regression_a_pdf_whose_resources_are_a_number(seeds: dict[str, bytes], tmp_path: Path) -> None:
+    # found by the fuzzer: a flipped byte turned /Resources into a number; pypdf raised AttributeError
+    path = tmp_path / "book.pdf"
+    path.write_bytes(apply_damage(seeds[".pdf"], ("flip", [(553, 56)])))
+    with pytest.raises(DocumentError, match="damaged or unsupported PDF"):
+        read_any(path)

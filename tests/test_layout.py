@@ -30,6 +30,8 @@ def test_wheel_ships_them_inside_sekv_local(tmp_path: Path) -> None:
     for member in ("sekv_local/converters/__init__.py", "sekv_local/tui/__init__.py", "sekv_local/data/sample.md",
                    "sekv_local/cli.py"):
         assert member in names
+    for package in (ROOT / "sekv_local").glob("*/__init__.py"):  # every subpackage ships (pyproject lists them)
+        assert f"sekv_local/{package.parent.name}/__init__.py" in names, package.parent.name
     assert not any(n.startswith(("converters/", "tui/", "tests/")) for n in names)
     # import from the unpacked wheel only (cwd elsewhere, no source tree on the path)
     code = ("import sekv_local, sekv_local.converters, sekv_local.tui, sekv_local.data;"

@@ -13,7 +13,6 @@ EMPTY_MESSAGE = ("{shown} is a PDF without extractable text (probably scanned pa
 def to_text(data: bytes, shown: str) -> str:
     try:
         from pypdf import PdfReader
-        from pypdf.errors import PdfReadError
     except ModuleNotFoundError:
         from . import missing_extra
 
@@ -35,7 +34,7 @@ def to_text(data: bytes, shown: str) -> str:
         pages = [(page.extract_text() or "").strip() for page in reader.pages]
     except DocumentError:
         raise
-    except (PdfReadError, ValueError, KeyError, TypeError, OSError, RecursionError) as exc:
+    except Exception as exc:  # pypdf raises assorted types on damaged files (AttributeError, IndexError, ...)
         raise DocumentError(f"{shown} is a damaged or unsupported PDF ({exc.__class__.__name__}: {exc}). "
                             f"Re-export it, or convert it to .txt first.") from None
     return "\n\n".join(p for p in pages if p) + "\n"
