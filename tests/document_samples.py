@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import re
 import tempfile
+import zipfile
 from pathlib import Path
 
 
@@ -46,4 +48,19 @@ def minimal_epub(text: str) -> bytes:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "book.epub"
         epub.write_epub(str(path), book)
-        return path.read_bytes()
+        return _fixed_zip_dates(path.read_bytes())
+
+
+def _fixed_zip_dates(data: bytes) -> bytes:
+    """The same ZIP with every entry dated 1980-01-01 and a fixed modification stamp in the package file,
+    so the bytes do not depend on when it was written."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            fixed = zipfile.ZipInfo(info.filename, date_time=(1980, 1, 1, 0, 0, 0))
+            fixed.compress_type, fixed.external_attr = info.compress_type, info.external_attr
+            body = src.read(info.filename)
+            if info.filename.endswith(".opf"):  # ebooklib stamps the write time into the package file
+                body = re.sub(rb'(<meta property="dcterms:modified">)[^<]*', rb"\g<1>2000-01-01T00:00:00Z", body)
+            dst.writestr(fixed, body)
+    return out.getvalue()

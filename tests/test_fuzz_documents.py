@@ -35,7 +35,7 @@ DAMAGE = damage(st.sampled_from([b"%PDF-1.7\n", b"PK\x03\x04", b"\xef\xbb\xbf", 
 
 
 @seed(20261130)
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(database=None, max_examples=800, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from([".txt", ".md", ".html", ".pdf", ".epub"]), DAMAGE)
 def test_damaged_documents_are_read_or_refused(seeds: dict[str, bytes], tmp_path: Path, suffix: str, change) -> None:
     path = tmp_path / f"book{suffix}"

@@ -73,7 +73,7 @@ def original(tmp_path_factory) -> bytes:
 
 
 @seed(20261130)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(database=None, max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(damage())
 def test_damaged_gguf_router_is_refused_or_valid(original: bytes, tmp_path: Path, change) -> None:
     path = tmp_path / "damaged.gguf"
@@ -98,7 +98,7 @@ _keys = st.sampled_from(["sekv.format_version", "sekv.n_layers", "sekv.n_heads",
 
 
 @seed(20261130)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(database=None, max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.dictionaries(_keys, _values, min_size=1, max_size=3))
 def test_arbitrary_sekv_values_are_refused_or_valid(tmp_path: Path, values: dict) -> None:
     path = tmp_path / "values.gguf"

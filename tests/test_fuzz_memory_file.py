@@ -44,14 +44,14 @@ DAMAGE = damage(st.binary(max_size=64).map(lambda b: ("head", b)))
 
 
 @seed(20261129)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(database=None, max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(DAMAGE)
 def test_damaged_memory_files_are_refused_or_harmless(original: bytes, tmp_path: Path, change) -> None:
     _load(apply_damage(original, change), tmp_path)
 
 
 @seed(20261129)
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(database=None, max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=20))

@@ -31,7 +31,8 @@ from sekv_local.models.gguf_file import GGUFModelFile
 from sekv_local.models.prompt import PromptBuilder, Turn
 from sekv_local.models.rope import Rope
 from sekv_local.session import Session, SessionSettings
-from test_parity import MAX_MEAN_ABS_DLOGP, MIN_AGREEMENT, agreement_stats, f32_copy, llama_noise_floor, score_both
+from test_parity import (MAX_MEAN_ABS_DLOGP, MIN_AGREEMENT, agreement_stats, f32_copy, llama_noise_floor, pydoc_ids,
+                         score_both)
 
 MODEL = "gemma3-270m"
 WINDOW = 512
@@ -192,15 +193,7 @@ def gemma_tokenizer(gemma_path):
 @pytest.fixture(scope="module")
 def gemma_text_ids(gemma_tokenizer) -> list[int]:
     """BOS + pydoc topics (sorted keys), N_TOKENS in all."""
-    from pydoc_data.topics import topics
-
-    text = ""
-    for key in sorted(topics):
-        text += topics[key] + "\n\n"
-        ids = gemma_tokenizer.encode(text)
-        if len(ids) >= N_TOKENS:
-            return [gemma_tokenizer.bos_id] + ids[: N_TOKENS - 1]
-    raise AssertionError("pydoc topics are too short")
+    return [gemma_tokenizer.bos_id] + pydoc_ids(gemma_tokenizer, N_TOKENS - 1)
 
 
 @pytest.mark.slow

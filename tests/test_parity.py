@@ -32,18 +32,23 @@ MIN_AGREEMENT = 0.98
 MAX_MEAN_ABS_DLOGP = 0.05
 
 
-@pytest.fixture(scope="module")
-def text_ids(tokenizer) -> list[int]:
-    """Exactly 2048 tokens: pydoc topics in sorted key order, joined until long enough."""
+def pydoc_ids(tokenizer, n_tokens: int) -> list[int]:
+    """The first n_tokens tokens of pydoc topics in sorted key order (joined until long enough)."""
     from pydoc_data.topics import topics
 
     text = ""
     for key in sorted(topics):
         text += topics[key] + "\n\n"
         ids = tokenizer.encode(text)
-        if len(ids) >= N_TOKENS:
-            return ids[:N_TOKENS]
-    raise AssertionError("pydoc topics are shorter than 2048 tokens")
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+    raise AssertionError(f"pydoc topics are shorter than {n_tokens} tokens")
+
+
+@pytest.fixture(scope="module")
+def text_ids(tokenizer) -> list[int]:
+    """Exactly 2048 tokens of pydoc topics."""
+    return pydoc_ids(tokenizer, N_TOKENS)
 
 
 def f32_copy(src, dst) -> None:
