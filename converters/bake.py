@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from sekv_local.errors import ModelError, SekvError
+from sekv_local.errors import SekvError
 from sekv_local.models.gguf_file import GGUFModelFile
 from sekv_local.sekv.router_file import PREFIX, RouterParams, gguf_entries, load_router
 
@@ -96,5 +96,3 @@ def _short(value: Any) -> str:
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
-
-__all__ = ["bake", "inspect", "ModelError"]

@@ -95,8 +95,8 @@ class TrainSample:
     query: list[int]
 
 
-def _passage(rng: random.Random, n_tokens: int, tokenizer: Tokenizer) -> tuple[str, list[str]]:
-    """Paragraphs from a random start until about n_tokens (by a chars-per-token estimate, then trimmed)."""
+def _passage(rng: random.Random, n_tokens: int) -> str:
+    """Paragraphs from a random start until about n_tokens (by a chars-per-token estimate; callers trim)."""
     paragraphs = docstring_paragraphs()
     i = rng.randrange(len(paragraphs))
     picked: list[str] = []
@@ -105,7 +105,7 @@ def _passage(rng: random.Random, n_tokens: int, tokenizer: Tokenizer) -> tuple[s
         picked.append(paragraphs[i % len(paragraphs)])
         chars += len(picked[-1]) + 2
         i += 1
-    return "\n\n".join(picked), picked
+    return "\n\n".join(picked)
 
 
 def _name(rng: random.Random) -> str:
@@ -118,13 +118,13 @@ def make_sample(index: int, context_tokens: int, query_tokens: int, tokenizer: T
     seed = TRAIN_SEED_BASE + index
     rng = random.Random(seed)
     if index % 2 == 0:
-        text, _ = _passage(rng, context_tokens, tokenizer)
+        text = _passage(rng, context_tokens)
         ids = tokenizer.encode(text)
         prefix, _ = prompt.document_tokens("")
         body = context_tokens - len(prefix)
         return TrainSample("continuation", seed, prefix + ids[:body], ids[body: body + query_tokens])
     facts = {_name(rng): str(rng.randrange(10**6, 10**7)) for _ in range(4)}
-    text, paragraphs = _passage(rng, context_tokens, tokenizer)
+    text = _passage(rng, context_tokens)
     sentences = re.split(r"(?<=\. )", text)
     for name, code in facts.items():
         sentences.insert(rng.randrange(len(sentences) + 1), f"The access code for {name} is {code}. ")
