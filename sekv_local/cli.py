@@ -266,13 +266,45 @@ def bench(**kw: Any) -> None:
 
 
 @cli.command()
-@click.option("--method", type=click.Choice(["sekv"]), default="sekv", show_default=True,
-              help="Which method's parameters to train.")
+@click.option("--method", "methods_", default="full", show_default=True,
+              help="Comma-separated methods (variants like metasoft@static=true allowed).")
+@click.option("--budgets", default="", help="Comma-separated budgets for compressing methods (0.125,0.25 or 64MiB).")
+@click.option("--context", "context_", default="4k", show_default=True, help="Context tokens read first (4k = 4096).")
+@click.option("--continuation", type=click.IntRange(2, 8192), default=256, show_default=True,
+              help="Tokens scored after the context.")
+@click.option("--samples", type=click.IntRange(1, 10000), default=5, show_default=True)
+@click.option("-m", "--model", default=registry.DEFAULT_MODEL, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True, help="Picks the text windows.")
+@click.option("--threads", type=click.IntRange(1, 256))
+@click.option("--chunk-size", type=click.IntRange(16, 16384), default=1024, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/perplexity"),
+              show_default=True, help="Results folder (results.json, summary.md).")
+def perplexity(methods_: str, budgets: str, context_: str, out: Path, **kw: Any) -> None:
+    """Perplexity of held-out natural text after a context each method has compressed (torch engine)."""
+    from .cache.budget import parse_budget
+    from .eval.perplexity import PerplexityConfig, run_perplexity
+    from .eval.tasks import parse_length
+
+    try:
+        context = parse_length(context_)
+    except ValueError as exc:
+        raise SekvError(str(exc)) from None
+    budget_list = [parse_budget(b) for b in budgets.split(",") if b.strip()] or [None]
+    config = PerplexityConfig(methods=[m.strip() for m in methods_.split(",") if m.strip()], budgets=budget_list,
+                              context=context, out=str(out), command=" ".join(["sekv-local"] + sys.argv[1:]), **kw)
+    paths = run_perplexity(config)
+    click.echo(paths["summary"].read_text())
+    click.echo(f"written: {', '.join(str(p) for p in paths.values())}", err=True)
+
+
+@cli.command()
+@click.option("--method", type=click.Choice(["sekv", "metasoft"]), default="sekv", show_default=True,
+              help="Which method's parameters to train: SeKV's router or Meta-Soft's soft tokens.")
 @click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True)
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Router file to write (.safetensors); its checkpoint goes next to it (NAME.ckpt.safetensors).")
-@click.option("--steps", type=click.IntRange(1, 10**6), default=400, show_default=True)
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.01, show_default=True)
+              help="Parameter file to write (.safetensors); its checkpoint goes next to it (NAME.ckpt.safetensors).")
+@click.option("--steps", type=click.IntRange(1, 10**6), help="Optimizer steps (default: 400 sekv, 300 metasoft).")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), help="Step size (default: 0.01 sekv, 0.003 metasoft).")
 @click.option("--seed", type=click.IntRange(0, 10**6), default=0, show_default=True,
               help="Picks the training samples (disjoint from the bench's).")
 @click.option("--context-tokens", type=click.IntRange(256, 8192), default=1024, show_default=True)
@@ -283,20 +315,37 @@ def bench(**kw: Any) -> None:
 @click.option("--threads", type=click.IntRange(1, 256), help="CPU threads (default: all cores).")
 @click.option("--fresh", is_flag=True, help="Ignore an existing checkpoint and start over.")
 def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, **kw: Any) -> None:
-    """Train SeKV's router (projections, thresholds, rank gate) against the frozen model's full-KV
-    outputs. Resumes from its checkpoint when one exists; Ctrl-C saves it."""
+    """Train a method's parameters against the frozen model's full-KV behaviour: SeKV's router
+    (projections, thresholds, rank gate) or Meta-Soft's soft-token library and selector (stage 1
+    library, stage 2 selector: half the steps each). Resumes from its checkpoint; Ctrl-C saves it."""
     from tqdm import tqdm
 
-    from .train.trainer import TrainConfig, train_router
+    kw = {k: v for k, v in kw.items() if v is not None}
+    if method == "metasoft":
+        from .train.metasoft import MetaSoftTrainConfig, train_metasoft
 
-    config = TrainConfig(model=model, **kw)
-    with tqdm(total=config.steps, unit="step", desc="training router", file=sys.stderr, dynamic_ncols=True) as bar:
+        if "steps" in kw:
+            kw["library_steps"] = kw["steps"] // 2
+        config = MetaSoftTrainConfig(model=model, **kw)
+        run, desc = train_metasoft, "training soft tokens"
+
+        def postfix(parts: dict[str, float]) -> dict[str, str]:
+            return {"mse": f"{parts['mse']:.3f}", "orth": f"{parts['orthogonality']:.4f}"}
+    else:
+        from .train.trainer import TrainConfig, train_router
+
+        config = TrainConfig(model=model, **kw)
+        run, desc = train_router, "training router"
+
+        def postfix(parts: dict[str, float]) -> dict[str, str]:
+            return {"kl": f"{parts['kl']:.4f}", "bce": f"{parts['zoom_bce']:.3f}",
+                    "zoom": f"{parts['zoom_fraction']:.2f}", "rank": f"{parts['rank_fraction']:.2f}"}
+    with tqdm(total=config.steps, unit="step", desc=desc, file=sys.stderr, dynamic_ncols=True) as bar:
         def progress(step: int, total: int, parts: dict[str, float]) -> None:
             bar.n = step
-            bar.set_postfix(kl=f"{parts['kl']:.4f}", bce=f"{parts['zoom_bce']:.3f}",
-                            zoom=f"{parts['zoom_fraction']:.2f}", rank=f"{parts['rank_fraction']:.2f}")
+            bar.set_postfix(**postfix(parts))
 
-        result = train_router(config, out, fresh=fresh, progress=progress, threads=threads)
+        result = run(config, out, fresh=fresh, progress=progress, threads=threads)
     if not result.finished:
         click.echo(f"stopped at step {result.steps_done} of {config.steps} (time limit); run the same command "
                    "again to continue", err=True)
@@ -307,17 +356,18 @@ def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, 
 
 @cli.group()
 def convert() -> None:
-    """Bake a trained SeKV router into a GGUF, and look at what a GGUF carries."""
+    """Bake trained parameters (SeKV router, Meta-Soft soft tokens) into a GGUF; look at what a GGUF carries."""
 
 
 @convert.command("bake")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.argument("router", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("router", metavar="PARAMS", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="The GGUF to write (model + router).")
+              help="The GGUF to write (model + parameters).")
 def convert_bake(model: Path, router: Path, out: Path) -> None:
-    """Copy MODEL (.gguf) to --out with the trained ROUTER (.safetensors from `sekv-local train`) added
-    as sekv.* metadata. The result loads in sekv-local (router used automatically) and in stock llama.cpp."""
+    """Copy MODEL (.gguf) to --out with trained PARAMS (.safetensors from `sekv-local train`: a SeKV router
+    becomes sekv.* metadata, Meta-Soft soft tokens metasoft.*). The result loads in sekv-local (parameters
+    used automatically) and in stock llama.cpp. Bake twice to carry both."""
     from tqdm import tqdm
 
     from .converters.bake import bake

@@ -25,6 +25,7 @@ GENEROUS = {  # method: (budget, needle depth)
     "pyramidkv": (0.95, 0.5),
     "chunkkv": (0.9, 0.5),  # indices shared by all heads: a digit survives if any head wants it
     "h2o": (0.8, 0.9),
+    "metasoft": (0.9, 0.5),  # question-agnostic like snapkv (its probe sits after the document, before the question)
 }
 # bytes per 32 values / f16's 64; 1.15 = the 256-token allocation steps on a ~1K context
 QUANT_RATIO = {"quant-q8_0": 34 / 64, "quant-q4_0": 18 / 64}

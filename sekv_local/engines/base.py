@@ -136,6 +136,11 @@ class Engine(ABC):
     def finish_prefill(self) -> None:
         """The document (or a user turn) is complete; compressing methods may act now."""
 
+    def continuation_logprobs(self, tokens: list[int]) -> np.ndarray:
+        """Append `tokens` (a prefill turn after the context) and return log p(tokens[i] | everything
+        before it) [len(tokens)]: the perplexity of a continuation given the (compressed) context."""
+        raise SekvError(f"engine '{self.name}' cannot score a continuation (use --engine torch)")
+
     def export_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         raise SekvError(f"engine '{self.name}' cannot save a memory (use --engine torch)")
 

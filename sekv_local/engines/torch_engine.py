@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from ..models.gguf_file import GGUFModelFile
 from ..models.rope import Rope
 from ..models.tokenizer import Tokenizer
 from ..models.transformer import Transformer
+from ..metasoft.library import SEED_WORDS
 from .base import Engine, EngineOptions
 
 _LOAD_LOCK = threading.Lock()
@@ -58,14 +59,55 @@ class TorchEngine(Engine):
             options["sentence_end_ids"] = self._sentence_end_ids()
         if o.method in SEKV_METHODS and options.get("trained", True) is not False:
             options["router_module"] = self._trained_router()
+        if o.method == "metasoft":
+            return self._metasoft_policy(options)
         return create_policy(o.method, self.config, self.rope, device=self.device, budget=o.budget, **options)
+
+    def _metasoft_policy(self, options: dict[str, Any]) -> CachePolicy:
+        """Meta-Soft with its soft-token library and a probe pass through this engine's model."""
+        if self.config.has_local_layers:
+            raise SekvError(f"method 'metasoft' does not support {self.config.architecture} models yet "
+                            f"(the probe pass would enter their sliding windows)")
+        from ..metasoft.library import SoftTokenLibrary
+        from ..metasoft.params_file import load_library, read_gguf_library
+        from ..metasoft.policy import MetaSoftCache
+
+        path = options.get("params")
+        trained = options.get("trained", True) is not False
+        baked = None
+        if trained and not path:
+            g = self.gguf_file
+            baked = read_gguf_library(g.metadata, g.keys(), self.gguf_path.name, self.config)
+        if path and trained:
+            library, info = load_library(path, self.config)
+            note = f"Meta-Soft: trained soft tokens from {path} ({info.get('steps', '?')} steps)"
+        elif baked is not None:
+            library, info = baked
+            note = f"Meta-Soft: trained soft tokens baked into {self.gguf_path.name} ({info.get('steps', '?')} steps)"
+        else:
+            features = 2 * self.config.n_heads * self.config.head_dim
+            seed_ids = [self.tokenizer.encode(w)[0] for w in SEED_WORDS]
+            library = SoftTokenLibrary.untrained(self.model.embed, seed_ids, features)
+            note = "Meta-Soft: untrained soft tokens (question-word embeddings); train with `sekv-local train --method metasoft`"
+        if note not in self.notices:
+            self.notices.append(note)
+        policy = MetaSoftCache(self.config, self.rope, device=self.device, budget=self.options.budget,
+                               library=library.to(self.device), **options)
+        policy.prober = lambda embeddings: self.model(None, policy, logits="none",
+                                                      embeddings=embeddings.to(self.model.embed.dtype))
+        return policy
+
+    @cached_property
+    def gguf_file(self) -> GGUFModelFile:
+        """The model file's metadata, parsed once per engine (trained parameters live there)."""
+        return GGUFModelFile(self.gguf_path)
 
     def _trained_router(self) -> Any:
         """The model's trained SeKV router (built once per engine; read-only), or None."""
         if not hasattr(self, "_router"):
             from ..sekv.router_file import build_router, find_trained_router
 
-            params, note = find_trained_router(GGUFModelFile(self.gguf_path))
+            params, note = find_trained_router(self.gguf_file)
             self._router = build_router(params, self.config, self.gguf_path.name) if params is not None else None
             self.notices.append(note)
         return self._router
@@ -92,6 +134,27 @@ class TorchEngine(Engine):
         logits = self.model(ids, self.cache, logits="all" if want_all else "last")
         self.cache.end_chunk(logits, ids)
         return logits[-1].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def continuation_logprobs(self, tokens: list[int]) -> np.ndarray:
+        if self._last_logits is None:
+            raise SekvError("nothing to continue from: feed a context first")
+        previous = torch.from_numpy(self._last_logits)[None]  # [1, vocab]: predicts tokens[0]
+        out = []
+        step = self.chunk_size()
+        for i in range(0, len(tokens), step):
+            chunk = tokens[i: i + step]
+            ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            self.cache.begin_chunk(torch.arange(self.n_tokens, self.n_tokens + len(chunk), device=self.device),
+                                   is_prefill=True)
+            logits = self.model(ids, self.cache, logits="all").float()
+            self.cache.end_chunk(logits, ids)
+            self.n_tokens += len(chunk)
+            predictors = torch.cat([previous, logits[:-1].cpu()])  # logits that predict each chunk token
+            out.append(torch.log_softmax(predictors, dim=-1).gather(1, ids.cpu()[:, None])[:, 0].numpy())
+            previous = logits[-1:].cpu()
+        self._last_logits = previous[0].numpy()
+        return np.concatenate(out)
 
     @torch.inference_mode()
     def finish_prefill(self) -> None:

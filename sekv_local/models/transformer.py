@@ -97,16 +97,19 @@ class Transformer(nn.Module):
         model = cls(cfg, embed, layers, t("output_norm.weight", (E,)), lm_head)
         return model.to(device)
 
-    def forward(self, tokens: torch.Tensor, cache: "CachePolicy",
-                logits: Literal["last", "all", "none"] = "last") -> torch.Tensor | None:
+    def forward(self, tokens: torch.Tensor | None, cache: "CachePolicy",
+                logits: Literal["last", "all", "none"] = "last",
+                embeddings: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run `tokens` [T] (positions come from the cache's begin_chunk) through all layers.
 
+        embeddings [T, n_embd]: input vectors in the embedding table's space, instead of `tokens`
+        (Meta-Soft's soft tokens); the model's embedding scale applies to them as to looked-up rows.
         Returns logits [T, vocab] ("all"), [1, vocab] ("last") or None ("none").
         """
         cfg = self.config
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        T = tokens.shape[0]
-        x = F.embedding(tokens, self.embed)  # [T, E]
+        x = F.embedding(tokens, self.embed) if embeddings is None else embeddings  # [T, E]
+        T = x.shape[0]
         if cfg.embed_scale != 1.0:
             x = x * cfg.embed_scale
         for i, layer in enumerate(self.layers):

@@ -79,7 +79,7 @@ def _check_dims(dims: dict[str, Any], source: str) -> dict[str, int]:
     return out
 
 
-def _json_object(text: Any, what: str, source: str) -> dict[str, Any]:
+def json_object(text: Any, what: str, source: str) -> dict[str, Any]:
     if not isinstance(text, str) or len(text) > _MAX_JSON:
         raise RouterFileError(f"{source}: {what} must be a JSON string under {_MAX_JSON} bytes")
     try:
@@ -164,9 +164,9 @@ def load_router(path: str | Path) -> RouterParams:
         raise RouterFileError(f"{source} is not a readable router file ({exc})") from None
     _check_version(int(meta["sekv.format_version"]) if str(meta.get("sekv.format_version", "")).isdigit() else
                    meta.get("sekv.format_version"), source)
-    params = RouterParams(_check_dims(_json_object(meta.get("sekv.dims"), "sekv.dims", source), source), tensors,
-                          _json_object(meta.get("sekv.hparams", "{}"), "sekv.hparams", source),
-                          _json_object(meta.get("sekv.info", "{}"), "sekv.info", source))
+    params = RouterParams(_check_dims(json_object(meta.get("sekv.dims"), "sekv.dims", source), source), tensors,
+                          json_object(meta.get("sekv.hparams", "{}"), "sekv.hparams", source),
+                          json_object(meta.get("sekv.info", "{}"), "sekv.info", source))
     _check_tensors(params, source)
     return params
 
@@ -192,8 +192,8 @@ def read_gguf_router(metadata: Callable[[str], Any], keys: list[str], source: st
         return None
     _check_version(metadata(PREFIX + "format_version"), source)
     dims = _check_dims({k: metadata(PREFIX + k) for k in DIM_KEYS}, source)
-    params = RouterParams(dims, {}, _json_object(metadata(PREFIX + "hparams"), "sekv.hparams", source),
-                          _json_object(metadata(PREFIX + "info"), "sekv.info", source))
+    params = RouterParams(dims, {}, json_object(metadata(PREFIX + "hparams"), "sekv.hparams", source),
+                          json_object(metadata(PREFIX + "info"), "sekv.info", source))
     for name in PARAMETER_SHAPES:
         per_layer = params.shape(name, per_layer=True)
         count = math.prod(per_layer)

@@ -19,7 +19,9 @@ class TeacherRecord:
 
     k, v: per layer [KV, T, D] pre-RoPE keys and values of every token (T = n_context + M);
     q: per layer [H, M, D] pre-RoPE queries of the query tokens; logits: [M, vocab] at the query
-    tokens; surprisal: [n_context] -log p(token | past) of the context tokens (0 for the first)."""
+    tokens; surprisal: [n_context] -log p(token | past) of the context tokens (0 for the first);
+    features: [F * H * D] mean pre-RoPE query of the first F layers over the context (Meta-Soft's
+    selector input; None unless asked for)."""
 
     n_context: int
     query_ids: torch.Tensor
@@ -28,6 +30,7 @@ class TeacherRecord:
     q: list[torch.Tensor]
     logits: torch.Tensor
     surprisal: torch.Tensor
+    features: torch.Tensor | None = None
 
 
 class OnePassPolicy(CachePolicy):
@@ -48,9 +51,11 @@ class _RecordingCache(OnePassPolicy):
 
     name = "teacher"
 
-    def __init__(self, model: Transformer, rope: Rope, n_query: int) -> None:
+    def __init__(self, model: Transformer, rope: Rope, n_query: int, feature_layers: int = 0) -> None:
         super().__init__(model.config, rope)
         self.n_query = n_query
+        self.feature_layers = feature_layers
+        self.features: list[torch.Tensor] = []
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.q: list[torch.Tensor] = []
@@ -59,19 +64,23 @@ class _RecordingCache(OnePassPolicy):
         self.k.append(k)
         self.v.append(v)
         self.q.append(q[:, -self.n_query:])
+        if layer < self.feature_layers:
+            self.features.append(q[:, : q.shape[1] - self.n_query].float().mean(dim=1))
         T = q.shape[1]
         return gqa_attention(self.rope.apply(q, self._positions, self._cos_sin),
                              self.rope.apply(k, self._positions, self._cos_sin), v, mask=chunk_causal_mask(T, T))
 
 
 @torch.no_grad()
-def run_teacher(model: Transformer, rope: Rope, context: list[int], query: list[int]) -> TeacherRecord:
+def run_teacher(model: Transformer, rope: Rope, context: list[int], query: list[int],
+                feature_layers: int = 0) -> TeacherRecord:
     ids = torch.tensor(context + query, dtype=torch.long)
-    cache = _RecordingCache(model, rope, len(query))
+    cache = _RecordingCache(model, rope, len(query), feature_layers)
     cache.begin_chunk(torch.arange(len(ids)), is_prefill=True)
     logits = model(ids, cache, logits="all").float()
     logprobs = torch.log_softmax(logits[: len(context)], dim=-1)
     surprisal = torch.zeros(len(context))
     surprisal[1:] = -logprobs[:-1].gather(1, ids[1: len(context), None])[:, 0]
     return TeacherRecord(len(context), ids[len(context):], cache.k, cache.v, cache.q,
-                         logits[len(context):], surprisal)
+                         logits[len(context):], surprisal,
+                         torch.stack(cache.features).flatten() if cache.features else None)

@@ -73,8 +73,9 @@ def checkpoint_path(out: Path) -> Path:
     return out.with_name(out.name.removesuffix(".safetensors") + ".ckpt.safetensors")
 
 
-def _save_checkpoint(path: Path, router: Router, optimizer: torch.optim.Optimizer, step: int,
-                     config: TrainConfig, history: list[dict[str, float]]) -> None:
+def save_checkpoint(path: Path, router: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                    config: Any, history: list[dict[str, float]]) -> None:
+    """Parameters of `router` (any trained module) + Adam state; `config.fingerprint()` guards resume."""
     from safetensors.torch import save_file
 
     from ..persistence import atomic_write
@@ -91,8 +92,8 @@ def _save_checkpoint(path: Path, router: Router, optimizer: torch.optim.Optimize
         save_file(tensors, str(tmp), metadata={"sekv_train": json.dumps(header)})
 
 
-def _load_checkpoint(path: Path, router: Router, optimizer: torch.optim.Optimizer,
-                     config: TrainConfig) -> tuple[int, list[dict[str, float]]]:
+def load_checkpoint(path: Path, router: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    config: Any) -> tuple[int, list[dict[str, float]]]:
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -153,7 +154,7 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
     ckpt = checkpoint_path(out)
     start, history = 0, []
     if ckpt.exists() and not fresh:
-        start, history = _load_checkpoint(ckpt, router, optimizer, config)
+        start, history = load_checkpoint(ckpt, router, optimizer, config)
     began = time.monotonic()
     step = start
     try:
@@ -172,12 +173,12 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
             if progress is not None:
                 progress(step, config.steps, losses.parts)
             if step % config.checkpoint_every == 0:
-                _save_checkpoint(ckpt, router, optimizer, step, config, history)
+                save_checkpoint(ckpt, router, optimizer, step, config, history)
     except KeyboardInterrupt:
-        _save_checkpoint(ckpt, router, optimizer, step, config, history)
+        save_checkpoint(ckpt, router, optimizer, step, config, history)
         raise TrainingInterrupted(f"training stopped at step {step} of {config.steps}; checkpoint saved to {ckpt}. "
                                   "Run the same command again to resume.") from None
-    _save_checkpoint(ckpt, router, optimizer, step, config, history)
+    save_checkpoint(ckpt, router, optimizer, step, config, history)
     minutes = (time.monotonic() - began) / 60
     finished = step >= config.steps
     if finished:
