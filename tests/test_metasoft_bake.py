@@ -4,13 +4,12 @@ metadata is refused."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from stock_llama import stock_completion
 from sekv_local.engines import EngineOptions
 from sekv_local.engines.torch_engine import TorchEngine
 from sekv_local.metasoft.library import SoftTokenLibrary
@@ -61,12 +60,7 @@ def test_engine_uses_the_baked_soft_tokens(baked_twice, tokenizer) -> None:
 
 
 def test_stock_llama_cpp_loads_the_doubly_baked_model(baked_twice, model_path) -> None:
-    script = ("import sys; from llama_cpp import Llama\n"
-              "m = Llama(sys.argv[1], n_ctx=128, n_threads=1, verbose=False)\n"
-              "print(repr(m.create_completion('The capital of France is', max_tokens=6, temperature=0)"
-              "['choices'][0]['text']))")
-    outputs = [subprocess.run([sys.executable, "-c", script, str(p)], capture_output=True, text=True, timeout=300)
-               for p in (model_path, baked_twice[0])]
+    outputs = [stock_completion(p) for p in (model_path, baked_twice[0])]
     assert all(o.returncode == 0 for o in outputs), [o.stderr[-500:] for o in outputs]
     assert outputs[0].stdout == outputs[1].stdout
 

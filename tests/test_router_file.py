@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stock_llama import stock_completion
 from sekv_local.engines import EngineOptions
 from sekv_local.engines.torch_engine import TorchEngine
 from sekv_local.models.config import ModelConfig
@@ -177,12 +178,7 @@ def test_bake_adds_the_router_and_keeps_the_model(baked, model_path) -> None:
 
 def test_stock_llama_cpp_loads_the_baked_model(baked, model_path) -> None:
     # stock llama.cpp refuses GGUFs with tensors it does not create; the router travels as metadata
-    script = ("import sys; from llama_cpp import Llama\n"
-              "m = Llama(sys.argv[1], n_ctx=128, n_threads=1, verbose=False)\n"
-              "print(repr(m.create_completion('The capital of France is', max_tokens=6, temperature=0)"
-              "['choices'][0]['text']))")
-    outputs = [subprocess.run([sys.executable, "-c", script, str(p)], capture_output=True, text=True, timeout=300)
-               for p in (model_path, baked[0])]
+    outputs = [stock_completion(p) for p in (model_path, baked[0])]
     assert all(o.returncode == 0 for o in outputs), [o.stderr[-500:] for o in outputs]
     assert outputs[0].stdout == outputs[1].stdout and outputs[0].stdout.strip() not in ("", "''")
 

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,17 @@ def attention_scores(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k
     if out is None:
         return None, received
     return out.reshape(n_heads, n_query, dim).to(q.dtype), received
+
+
+def attend_in_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, step: int,
+                    attend_part: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                    ) -> torch.Tensor:
+    """A chunk q [H, T, D], k/v [KV, T, D] at positions [T] handed to attend_part in consecutive parts of
+    at most `step` tokens (each part makes room in a budgeted store before it is written); outputs
+    concatenated [H, T, D]."""
+    outs = [attend_part(q[:, a: a + step], k[:, a: a + step], v[:, a: a + step], positions[a: a + step])
+            for a in range(0, positions.shape[0], step)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def pool_positions(scores: torch.Tensor, kernel: int, mode: str = "avg") -> torch.Tensor:

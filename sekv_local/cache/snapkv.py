@@ -49,7 +49,7 @@ from ..models.rope import Rope
 from .attention import CausalBias, gqa_attention
 from .base import CachePolicy, register_policy
 from .budget import budget_tokens, resolve_budget_bytes
-from .scoring import (PROTECTED_RANK, UNSCORED_RANK, ScoredKV, attention_scores, drop_lowest,
+from .scoring import (PROTECTED_RANK, UNSCORED_RANK, ScoredKV, attend_in_parts, attention_scores, drop_lowest,
                       pool_positions)
 
 _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -179,11 +179,8 @@ class SnapKVCache(CachePolicy):
         positions = self._positions
         q_rot = self.rope.apply(q, positions, self._cos_sin)
         k_rot = self.rope.apply(k, positions, self._cos_sin)
-        step = self.part_tokens(layer)
-        outs = [self._attend_part(layer, q_rot[:, a: a + step], k_rot[:, a: a + step], v[:, a: a + step],
-                                  positions[a: a + step])
-                for a in range(0, positions.shape[0], step)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return attend_in_parts(q_rot, k_rot, v, positions, self.part_tokens(layer),
+                               lambda *part: self._attend_part(layer, *part))
 
     def _attend_part(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:

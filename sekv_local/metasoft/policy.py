@@ -27,7 +27,7 @@ import torch
 from ..cache.attention import CausalBias, gqa_attention
 from ..cache.base import CachePolicy, register_policy
 from ..cache.budget import budget_tokens, resolve_budget_bytes
-from ..cache.scoring import PROTECTED_RANK, UNSCORED_RANK, drop_lowest, pool_positions
+from ..cache.scoring import PROTECTED_RANK, UNSCORED_RANK, attend_in_parts, drop_lowest, pool_positions
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -36,6 +36,8 @@ from .library import SoftTokenLibrary
 from .merge import MergedKV
 
 _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+#: slots freed at once when a few new tokens need room (amortizes merging over decode steps)
+EVICT_BATCH = 16
 #: runs the model over soft-token embeddings [k, n_embd] with this policy in probe mode
 Prober = Callable[[torch.Tensor], None]
 
@@ -117,11 +119,8 @@ class MetaSoftCache(CachePolicy):
         positions = self._positions
         q_rot = self.rope.apply(q, positions, self._cos_sin)
         k_rot = self.rope.apply(k, positions, self._cos_sin)
-        step = self.part_tokens()
-        outs = [self._attend_part(layer, q_rot[:, a: a + step], k_rot[:, a: a + step], v[:, a: a + step],
-                                  positions[a: a + step])
-                for a in range(0, positions.shape[0], step)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return attend_in_parts(q_rot, k_rot, v, positions, self.part_tokens(),
+                               lambda *part: self._attend_part(layer, *part))
 
     def _attend_part(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
@@ -129,6 +128,8 @@ class MetaSoftCache(CachePolicy):
         n_new = positions.shape[0]
         n_drop = store.length + n_new - store.capacity
         if n_drop > 0:
+            # a decode step needs one slot: free EVICT_BATCH at once so merging runs once per batch of steps
+            n_drop = max(n_drop, min(EVICT_BATCH, store.length - self.cfg.n_sink - self.cfg.recent))
             drop = drop_lowest(self.rank(store, int(positions[0])), n_drop)
             if self.cfg.merge:
                 store.merge_dropped(drop, self.cfg.balance)

@@ -18,7 +18,6 @@ router trainer (trainer.py): step i uses sample seed * SEED_STRIDE + i and Gumbe
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
@@ -169,7 +168,7 @@ def train_metasoft(config: MetaSoftTrainConfig, out: Path, fresh: bool = False,
     from ..persistence import file_sha256
     from .data import make_sample
     from .teacher import run_teacher
-    from .trainer import SEED_STRIDE, TrainingInterrupted, checkpoint_path, load_checkpoint, save_checkpoint
+    from .trainer import SEED_STRIDE, checkpoint_path, run_steps
 
     if threads:
         torch.set_num_threads(threads)
@@ -184,44 +183,23 @@ def train_metasoft(config: MetaSoftTrainConfig, out: Path, fresh: bool = False,
     library = SoftTokenLibrary.untrained(model.embed, [tokenizer.encode(w)[0] for w in SEED_WORDS], feature_dim,
                                         config.n_soft, config.hidden)
     optimizer = torch.optim.Adam(library.parameters(), lr=config.lr)
-    ckpt = checkpoint_path(out)
-    start, history = 0, []
-    if ckpt.exists() and not fresh:
-        start, history = load_checkpoint(ckpt, library, optimizer, config)
-    began = time.monotonic()
-    step = start
     stage_params = {"library": [library.library, library.static_logits],
                     "selector": list(library.selector_in.parameters()) + list(library.selector_out.parameters())}
-    try:
-        while step < config.steps:
-            if config.max_minutes is not None and time.monotonic() - began > 60 * config.max_minutes:
-                break
-            stage = "library" if step < config.library_steps else "selector"
-            for name, params in stage_params.items():
-                for p in params:
-                    p.requires_grad_(name == stage)
-            sample = make_sample(config.seed * SEED_STRIDE + step, config.context_tokens, config.query_tokens,
-                                 tokenizer, prompt)
-            record = run_teacher(model, rope, sample.context, sample.query, config.feature_layers)
-            targets = teacher_targets(rope, record, config.n_sink)
-            total, parts = metasoft_losses(model, rope, library, record, targets, stage == "library", config.tau,
-                                           config.n_sink, config.orth_weight, torch.Generator().manual_seed(step))
-            optimizer.zero_grad(set_to_none=True)
-            total.backward()
-            optimizer.step()
-            step += 1
-            history.append({"step": step, "stage": stage, "kind": sample.kind,
-                            **{k: round(v, 6) for k, v in parts.items()}})
-            if progress is not None:
-                progress(step, config.steps, parts)
-            if step % config.checkpoint_every == 0:
-                save_checkpoint(ckpt, library, optimizer, step, config, history)
-    except KeyboardInterrupt:
-        save_checkpoint(ckpt, library, optimizer, step, config, history)
-        raise TrainingInterrupted(f"training stopped at step {step} of {config.steps}; checkpoint saved to {ckpt}. "
-                                  "Run the same command again to resume.") from None
-    save_checkpoint(ckpt, library, optimizer, step, config, history)
-    minutes = (time.monotonic() - began) / 60
+
+    def one_step(step: int) -> tuple[torch.Tensor, dict[str, Any], dict[str, float]]:
+        stage = "library" if step < config.library_steps else "selector"
+        for name, params in stage_params.items():
+            for p in params:
+                p.requires_grad_(name == stage)
+        sample = make_sample(config.seed * SEED_STRIDE + step, config.context_tokens, config.query_tokens,
+                             tokenizer, prompt)
+        record = run_teacher(model, rope, sample.context, sample.query, config.feature_layers)
+        targets = teacher_targets(rope, record, config.n_sink)
+        total, parts = metasoft_losses(model, rope, library, record, targets, stage == "library", config.tau,
+                                       config.n_sink, config.orth_weight, torch.Generator().manual_seed(step))
+        return total, {"stage": stage, "kind": sample.kind}, parts
+
+    step, minutes, history = run_steps(config, library, optimizer, checkpoint_path(out), fresh, one_step, progress)
     finished = step >= config.steps
     if finished:
         def recent_mean(stage: str, key: str) -> float | None:

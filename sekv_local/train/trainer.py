@@ -128,6 +128,40 @@ class TrainResult:
     history: list[dict[str, float]]
 
 
+def run_steps(config: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path, fresh: bool,
+              one_step: Callable[[int], tuple[torch.Tensor, dict[str, Any], dict[str, float]]],
+              progress: ProgressFn | None) -> tuple[int, float, list[dict[str, Any]]]:
+    """The loop every trainer shares: resume from `ckpt` (unless fresh), then steps up to config.steps,
+    stopping early after config.max_minutes. one_step(step) -> (loss, history fields, loss parts).
+    Checkpoints every config.checkpoint_every steps, at the end, and on Ctrl-C (then raises
+    TrainingInterrupted). Returns (steps done, minutes, history)."""
+    start, history = 0, []
+    if ckpt.exists() and not fresh:
+        start, history = load_checkpoint(ckpt, module, optimizer, config)
+    began = time.monotonic()
+    step = start
+    try:
+        while step < config.steps:
+            if config.max_minutes is not None and time.monotonic() - began > 60 * config.max_minutes:
+                break
+            loss, fields_, parts = one_step(step)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            history.append({"step": step, **fields_, **{k: round(v, 6) for k, v in parts.items()}})
+            if progress is not None:
+                progress(step, config.steps, parts)
+            if step % config.checkpoint_every == 0:
+                save_checkpoint(ckpt, module, optimizer, step, config, history)
+    except KeyboardInterrupt:
+        save_checkpoint(ckpt, module, optimizer, step, config, history)
+        raise TrainingInterrupted(f"training stopped at step {step} of {config.steps}; checkpoint saved to {ckpt}. "
+                                  "Run the same command again to resume.") from None
+    save_checkpoint(ckpt, module, optimizer, step, config, history)
+    return step, (time.monotonic() - began) / 60, history
+
+
 def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: ProgressFn | None = None,
                  threads: int | None = None) -> TrainResult:
     """Train (or resume training) the SeKV router of `config.model`; write the router file `out` when done."""
@@ -151,35 +185,14 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
     sekv = SekvConfig()
     router = Router(model.config, sekv)
     optimizer = torch.optim.Adam(router.parameters(), lr=config.lr)
-    ckpt = checkpoint_path(out)
-    start, history = 0, []
-    if ckpt.exists() and not fresh:
-        start, history = load_checkpoint(ckpt, router, optimizer, config)
-    began = time.monotonic()
-    step = start
-    try:
-        while step < config.steps:
-            if config.max_minutes is not None and time.monotonic() - began > 60 * config.max_minutes:
-                break
-            sample = make_sample(config.seed * SEED_STRIDE + step, config.context_tokens, config.query_tokens,
-                                 tokenizer, prompt)
-            record = run_teacher(model, rope, sample.context, sample.query)
-            losses = student_losses(model, rope, router, sekv, record, config.weights)
-            optimizer.zero_grad(set_to_none=True)
-            losses.total.backward()
-            optimizer.step()
-            step += 1
-            history.append({"step": step, "kind": sample.kind, **{k: round(v, 6) for k, v in losses.parts.items()}})
-            if progress is not None:
-                progress(step, config.steps, losses.parts)
-            if step % config.checkpoint_every == 0:
-                save_checkpoint(ckpt, router, optimizer, step, config, history)
-    except KeyboardInterrupt:
-        save_checkpoint(ckpt, router, optimizer, step, config, history)
-        raise TrainingInterrupted(f"training stopped at step {step} of {config.steps}; checkpoint saved to {ckpt}. "
-                                  "Run the same command again to resume.") from None
-    save_checkpoint(ckpt, router, optimizer, step, config, history)
-    minutes = (time.monotonic() - began) / 60
+    def one_step(step: int) -> tuple[torch.Tensor, dict[str, Any], dict[str, float]]:
+        sample = make_sample(config.seed * SEED_STRIDE + step, config.context_tokens, config.query_tokens,
+                             tokenizer, prompt)
+        record = run_teacher(model, rope, sample.context, sample.query)
+        losses = student_losses(model, rope, router, sekv, record, config.weights)
+        return losses.total, {"kind": sample.kind}, losses.parts
+
+    step, minutes, history = run_steps(config, router, optimizer, checkpoint_path(out), fresh, one_step, progress)
     finished = step >= config.steps
     if finished:
         recent = history[-50:]
