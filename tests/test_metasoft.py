@@ -129,19 +129,23 @@ def test_merge_dropped_on_crafted_keys_routes_by_key_and_spreads() -> None:
     e = torch.eye(4)
     keys = torch.stack([e[0], e[1], e[2], e[3]] + [e[0] + 0.01 * e[1]] * 8)[None]  # 8 near-copies of key 0
     values = torch.arange(12, dtype=torch.float32)[None, :, None].expand(1, 12, 4).clone()
-    store.append(keys, values, torch.arange(12), -1.0)
+    store.append(keys, values, torch.arange(12), 0.0)
+    store.score[0, :12] = torch.tensor([0.4, 0.1, 0.1, 0.1] + [0.05] * 8)  # probe attention mass
     drop = torch.zeros(1, 12, dtype=torch.bool)
     drop[0, 4:] = True
     target = store.merge_dropped(drop, balance=0.0)
     assert target.tolist() == [[0] * 8]  # the nearest key
     store.keep(~drop)
     assert store.counts().tolist() == [[9.0, 1.0, 1.0, 1.0]]
-    assert torch.allclose(store.values()[0, 0], torch.full((4,), (0 + sum(range(4, 12))) / 9))
+    # the kept value moves by the absorbed mass: (0.4 * 0 + 0.05 * (4 + ... + 11)) / (0.4 + 8 * 0.05)
+    assert torch.allclose(store.values()[0, 0], torch.full((4,), 0.05 * sum(range(4, 12)) / 0.8))
+    assert store.scores()[0].tolist() == pytest.approx([0.8, 0.1, 0.1, 0.1])  # its mass (and rank) grew
+    assert torch.equal(store.values()[0, 1:], values[0, 1:4])  # the others are untouched
 
 
 def test_merge_values_takes_smaller_steps_for_loaded_tokens() -> None:
     v_keep = torch.zeros(1, 2, 1)
-    counts = torch.tensor([[1.0, 9.0]])
+    counts = torch.tensor([[1.0, 9.0]])  # weights: slot 1 already carries 9 times the mass
     v_new, c_new = merge_values(v_keep, counts, torch.ones(1, 2, 1), torch.ones(1, 2), torch.tensor([[0, 1]]))
     assert v_new.flatten().tolist() == pytest.approx([0.5, 0.1])  # gate = 1 / (1 + 1) vs 1 / (9 + 1)
     assert c_new.tolist() == [[2.0, 10.0]]

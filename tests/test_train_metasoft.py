@@ -12,8 +12,9 @@ import torch
 
 from sekv_local.metasoft.params_file import load_library
 from sekv_local.train.metasoft import MetaSoftTrainConfig, train_metasoft
+from sekv_local.train.trainer import checkpoint_path
 
-SMALL = dict(context_tokens=320, query_tokens=16, checkpoint_every=1)
+SMALL = dict(context_tokens=320, query_tokens=16, checkpoint_every=1, validation_samples=2)
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -29,8 +30,15 @@ def test_stages_train_their_own_parameters_and_resume_is_exact(tmp_path: Path) -
                                    tmp_path / "b.safetensors", threads=1).out)
     assert not torch.equal(lib_only["library"], torch.zeros_like(lib_only["library"]))
     assert torch.equal(lib_only["library"], both["library"])  # stage 2 leaves the library alone
-    assert not torch.equal(lib_only["selector_out.weight"], both["selector_out.weight"])  # ...and trains the selector
     assert torch.equal(lib_only["selector_out.weight"], torch.zeros_like(lib_only["selector_out.weight"]))
+    from safetensors.torch import load_file
+
+    trained = load_file(str(checkpoint_path(tmp_path / "b.safetensors")))["router.selector_out.weight"]
+    assert trained.abs().sum() > 0  # ...and stage 2 trains the selector
+    _, info = load_library(tmp_path / "b.safetensors")
+    kept = info["selector_kept"]  # kept only when it lowers the held-out error; zeroed otherwise
+    assert kept == (info["validation_mse"]["selector"] < info["validation_mse"]["static"])
+    assert torch.equal(both["selector_out.weight"], trained if kept else torch.zeros_like(trained))
     # resume: 3 steps, then 4 (the checkpoint continues) == 4 straight
     train_metasoft(MetaSoftTrainConfig(steps=3, library_steps=2, **SMALL), tmp_path / "c.safetensors", threads=1)
     resumed = train_metasoft(MetaSoftTrainConfig(steps=4, library_steps=2, **SMALL), tmp_path / "c.safetensors",

@@ -134,3 +134,27 @@ def read_gguf_library(metadata: Callable[[str], Any], keys: list[str], source: s
         except (TypeError, ValueError):
             raise MetaSoftFileError(f"{source}: '{PREFIX + name}' must hold numbers") from None
     return _build(dims, tensors, source, config), json_object(metadata(PREFIX + "info"), "metasoft.info", source)
+
+
+# -- which soft tokens a model runs with -------------------------------------------------------------------
+def packaged_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "data" / "metasoft"
+
+
+def find_trained_library(gguf_file: Any, config: ModelConfig) -> tuple[SoftTokenLibrary, dict[str, Any], str] | None:
+    """Meta-Soft's trained soft tokens for a GGUF model: baked into it, else packaged for exactly this
+    model file (matched by sha256), else None. Returns (library, info, a line saying which)."""
+    baked = read_gguf_library(gguf_file.metadata, gguf_file.keys(), gguf_file.path.name, config)
+    if baked is not None:
+        return (*baked, f"Meta-Soft: trained soft tokens baked into {gguf_file.path.name} "
+                        f"({baked[1].get('steps', '?')} steps)")
+    candidates = sorted(packaged_dir().glob("*.safetensors"))
+    if candidates:
+        from ..persistence import file_sha256
+
+        sha = file_sha256(gguf_file.path)
+        for path in candidates:
+            library, info = load_library(path, config)
+            if info.get("model_sha256") == sha:
+                return library, info, f"Meta-Soft: trained soft tokens packaged for this model ({path.name})"
+    return None

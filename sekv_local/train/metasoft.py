@@ -14,6 +14,10 @@ Two stages: steps [0, library_steps) train the library and its static combinatio
 the rest train only the selector (library frozen), from the document features. Gumbel-softmax,
 hard with straight-through gradients, temperature `tau`. Checkpoints, resume and Ctrl-C as the
 router trainer (trainer.py): step i uses sample seed * SEED_STRIDE + i and Gumbel seed i.
+
+At the end both modes are scored on `validation_samples` held-out samples (seeds past the training
+ones, hard choices, no noise); when the selector does not lower the validation error it is zeroed, so
+the file runs stage 1's static soft tokens (recorded in the file's info: `selector_kept`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from ..models.transformer import Transformer
 from .teacher import OnePassPolicy, TeacherRecord
 
 ProgressFn = Callable[[int, int, dict[str, float]], None]
+#: held-out samples for the end-of-training check come from seeds this far past the training ones
+VALIDATION_OFFSET = 500_000
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class MetaSoftTrainConfig:
     n_sink: int = 4
     checkpoint_every: int = 20
     max_minutes: float | None = None
+    validation_samples: int = 16
 
     def __post_init__(self) -> None:
         need = config_check("train metasoft")
@@ -74,7 +81,7 @@ class MetaSoftTrainConfig:
     def fingerprint(self) -> dict[str, Any]:
         """Settings a resumed run must share with the run it continues."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("steps", "max_minutes", "checkpoint_every")}
+                if f.name not in ("steps", "max_minutes", "checkpoint_every", "validation_samples")}
 
 
 def context_attention(rope: Rope, q: torch.Tensor, q_pos: torch.Tensor, keys_rot: torch.Tensor,
@@ -135,8 +142,8 @@ class _ProbeStudent(OnePassPolicy):
 
 def metasoft_losses(model: Transformer, rope: Rope, library: SoftTokenLibrary, record: TeacherRecord,
                     targets: list[torch.Tensor], static: bool, tau: float, n_sink: int, orth_weight: float,
-                    generator: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
-    """(total loss, parts) for one sample."""
+                    generator: torch.Generator | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """(total loss, parts) for one sample; generator None = no Gumbel noise (inference's hard choice)."""
     student = _ProbeStudent(model, rope, record, n_sink)
     embeddings = library.soft_tokens(record.features, static=static, hard=True, tau=tau, generator=generator)
     n = record.n_context
@@ -146,6 +153,19 @@ def metasoft_losses(model: Transformer, rope: Rope, library: SoftTokenLibrary, r
     orth = library.orthogonality()
     total = mse * (n - n_sink) + orth_weight * orth
     return total, {"mse": float(mse.detach()) * (n - n_sink), "orthogonality": float(orth.detach())}
+
+
+@torch.no_grad()
+def validate(model: Transformer, rope: Rope, library: SoftTokenLibrary,
+             data: list[tuple[TeacherRecord, list[torch.Tensor]]], config: "MetaSoftTrainConfig") -> dict[str, float]:
+    """Mean scaled MSE on held-out samples with hard soft tokens (as at inference), with the selector and
+    with the static combination alone."""
+    out = {}
+    for mode in ("static", "selector"):
+        losses = [metasoft_losses(model, rope, library, record, targets, mode == "static", config.tau, config.n_sink,
+                                  0.0, None)[1]["mse"] for record, targets in data]
+        out[mode] = round(sum(losses) / len(losses), 6)
+    return out
 
 
 @dataclass
@@ -206,8 +226,21 @@ def train_metasoft(config: MetaSoftTrainConfig, out: Path, fresh: bool = False,
             rows = [h[key] for h in history if h["stage"] == stage][-50:]
             return round(sum(rows) / len(rows), 6) if rows else None
 
+        def samples(i: int) -> tuple[TeacherRecord, list[torch.Tensor]]:
+            sample = make_sample(config.seed * SEED_STRIDE + VALIDATION_OFFSET + i, config.context_tokens,
+                                 config.query_tokens, tokenizer, prompt)
+            record = run_teacher(model, rope, sample.context, sample.query, config.feature_layers)
+            return record, teacher_targets(rope, record, config.n_sink)
+
+        validation = validate(model, rope, library, [samples(i) for i in range(config.validation_samples)],
+                              config)
+        if validation["selector"] >= validation["static"]:  # the selector does not help: keep stage 1's tokens
+            with torch.no_grad():
+                for p in library.selector_out.parameters():
+                    p.zero_()
         info = {"model": config.model, "model_sha256": file_sha256(model_path), "steps": step, "seed": config.seed,
-                "config": config.fingerprint(),
+                "config": config.fingerprint(), "validation_mse": validation,
+                "selector_kept": validation["selector"] < validation["static"],
                 "final_losses": {f"{stage}_{key}": recent_mean(stage, key) for stage in ("library", "selector")
                                  for key in ("mse", "orthogonality")}}
         save_library(out, library, info)
