@@ -32,6 +32,8 @@ def test_wheel_ships_them_inside_sekv_local(tmp_path: Path) -> None:
         assert member in names
     for package in (ROOT / "sekv_local").glob("*/__init__.py"):  # every subpackage ships (pyproject lists them)
         assert f"sekv_local/{package.parent.name}/__init__.py" in names, package.parent.name
+    for params in (ROOT / "sekv_local" / "data").glob("*/*.safetensors"):  # trained parameters packaged for models
+        assert f"sekv_local/data/{params.parent.name}/{params.name}" in names, params.name
     assert not any(n.startswith(("converters/", "tui/", "tests/")) for n in names)
     # import from the unpacked wheel only (cwd elsewhere, no source tree on the path)
     code = ("import sekv_local, sekv_local.converters, sekv_local.tui, sekv_local.data;"
