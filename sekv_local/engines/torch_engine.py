@@ -69,21 +69,17 @@ class TorchEngine(Engine):
             raise SekvError(f"method 'metasoft' does not support {self.config.architecture} models yet "
                             f"(the probe pass would enter their sliding windows)")
         from ..metasoft.library import SoftTokenLibrary
-        from ..metasoft.params_file import load_library, read_gguf_library
+        from ..metasoft.params_file import find_trained_library, load_library
         from ..metasoft.policy import MetaSoftCache
 
         path = options.get("params")
         trained = options.get("trained", True) is not False
-        baked = None
-        if trained and not path:
-            g = self.gguf_file
-            baked = read_gguf_library(g.metadata, g.keys(), self.gguf_path.name, self.config)
+        found = find_trained_library(self.gguf_file, self.config) if trained and not path else None
         if path and trained:
             library, info = load_library(path, self.config)
             note = f"Meta-Soft: trained soft tokens from {path} ({info.get('steps', '?')} steps)"
-        elif baked is not None:
-            library, info = baked
-            note = f"Meta-Soft: trained soft tokens baked into {self.gguf_path.name} ({info.get('steps', '?')} steps)"
+        elif found is not None:
+            library, _, note = found
         else:
             features = 2 * self.config.n_heads * self.config.head_dim
             seed_ids = [self.tokenizer.encode(w)[0] for w in SEED_WORDS]
