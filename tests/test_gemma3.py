@@ -131,6 +131,8 @@ def test_every_method_compresses_the_global_layers_and_keeps_the_windows_exact()
     for name in available_policies():
         if name == "full" or name.startswith("sekv") or name == "xkv":
             continue  # their fixed rows (recent window, chunk, working set) exceed this tiny model's whole KV
+        if name == "metasoft":
+            continue  # its probe pass runs through the model; the engine refuses it on sliding-window models
         budget = None if name.startswith("quant") else 0.6
         policy = create_policy(name, c, rope, budget=budget)
         policy.reserve(n)
@@ -329,3 +331,9 @@ def test_session_on_a_short_document(gemma_tokenizer) -> None:
                        tokenizer=gemma_tokenizer)
     assert "Ilse Brandt" in s.answer("Who is the harbour master?").text
     assert "7:40" in s.answer("When does the ferry to Skerry Island leave?").text
+
+
+def test_metasoft_is_refused_clearly_on_gemma3(gemma_tokenizer) -> None:
+    settings = SessionSettings(model=MODEL, threads=THREADS, method="metasoft", budget=0.5)
+    with pytest.raises(SekvError, match="does not support gemma3"):
+        Session.create(sample_document(), settings, show_progress=False, tokenizer=gemma_tokenizer)
