@@ -21,7 +21,7 @@ from ..engines import EngineOptions, create_engine
 from ..errors import SekvError
 from ..models.registry import resolve_model
 from ..models.tokenizer import Tokenizer
-from .runner import UNBUDGETED, split_variant
+from .runner import method_budgets, split_variant
 from .tasks import natural_text
 
 
@@ -48,15 +48,7 @@ class PerplexityConfig:
             split_variant(method)
 
     def runs(self) -> list[tuple[str, float | int | None]]:
-        out = []
-        for method in self.methods:
-            if split_variant(method)[0] in UNBUDGETED:
-                out.append((method, None))
-            else:
-                if self.budgets == [None]:
-                    raise SekvError(f"method '{method}' needs --budgets")
-                out += [(method, b) for b in self.budgets]
-        return out
+        return list(method_budgets(self.methods, self.budgets))
 
 
 def text_windows(tokenizer: Tokenizer, n: int, length: int, seed: int) -> list[list[int]]:

@@ -83,14 +83,19 @@ class BenchConfig:
         return {**self.method_options.get(base, {}), **variant}
 
     def method_budgets(self) -> Iterator[tuple[str, float | None]]:
-        for method in self.methods:
-            if split_variant(method)[0] in UNBUDGETED:
-                yield method, None
-            else:
-                for budget in self.budgets:
-                    if budget is None:
-                        raise SekvError(f"method '{method}' needs --budgets")
-                    yield method, budget
+        return method_budgets(self.methods, self.budgets)
+
+
+def method_budgets(methods: list[str], budgets: list[float | int | None]) -> Iterator[tuple[str, float | None]]:
+    """(method, budget) runs: unbudgeted methods once with None, the others once per budget."""
+    for method in methods:
+        if split_variant(method)[0] in UNBUDGETED:
+            yield method, None
+        else:
+            for budget in budgets:
+                if budget is None:
+                    raise SekvError(f"method '{method}' needs --budgets")
+                yield method, budget
 
 
 def _option_value(text: str) -> Any:
