@@ -60,17 +60,20 @@ class TorchEngine(Engine):
         if o.method in SEKV_METHODS and options.get("trained", True) is not False:
             options["router_module"] = self._trained_router()
         if o.method == "metasoft":
-            return self._metasoft_policy(options)
-        return create_policy(o.method, self.config, self.rope, device=self.device, budget=o.budget, **options)
+            options["library"] = self._metasoft_library(options)
+        policy = create_policy(o.method, self.config, self.rope, device=self.device, budget=o.budget, **options)
+        if hasattr(policy, "prober"):  # Meta-Soft's probe pass runs the soft tokens through this engine's model
+            policy.prober = lambda embeddings: self.model(None, policy, logits="none",
+                                                          embeddings=embeddings.to(self.model.embed.dtype))
+        return policy
 
-    def _metasoft_policy(self, options: dict[str, Any]) -> CachePolicy:
-        """Meta-Soft with its soft-token library and a probe pass through this engine's model."""
+    def _metasoft_library(self, options: dict[str, Any]) -> Any:
+        """Meta-Soft's soft tokens: --option params, else trained ones for this model, else untrained."""
         if self.config.has_local_layers:
             raise SekvError(f"method 'metasoft' does not support {self.config.architecture} models yet "
                             f"(the probe pass would enter their sliding windows)")
         from ..metasoft.library import SoftTokenLibrary
         from ..metasoft.params_file import find_trained_library, load_library
-        from ..metasoft.policy import MetaSoftCache
 
         path = options.get("params")
         trained = options.get("trained", True) is not False
@@ -87,11 +90,7 @@ class TorchEngine(Engine):
             note = "Meta-Soft: untrained soft tokens (question-word embeddings); train with `sekv-local train --method metasoft`"
         if note not in self.notices:
             self.notices.append(note)
-        policy = MetaSoftCache(self.config, self.rope, device=self.device, budget=self.options.budget,
-                               library=library.to(self.device), **options)
-        policy.prober = lambda embeddings: self.model(None, policy, logits="none",
-                                                      embeddings=embeddings.to(self.model.embed.dtype))
-        return policy
+        return library.to(self.device)
 
     @cached_property
     def gguf_file(self) -> GGUFModelFile:
