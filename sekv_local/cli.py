@@ -409,6 +409,30 @@ def convert_inspect(file: Path) -> None:
 
 
 @cli.group()
+def native() -> None:
+    """Build and locate the native (llama.cpp) engine library."""
+
+
+@native.command("build")
+@click.option("--cuda", is_flag=True, help="Also build ggml's CUDA backend (needs nvcc).")
+@click.option("--force", is_flag=True, help="Rebuild even when a build for the same inputs is cached.")
+def native_build(cuda: bool, force: bool) -> None:
+    """Build llama.cpp from the pinned llama-cpp-python sdist with sekv-native (cached by input hash)."""
+    from .native import build
+
+    path = build.build(cuda=cuda, force=force, log=lambda line: click.echo(f"[native] {line}", err=True))
+    click.echo(str(path))
+
+
+@native.command("path")
+def native_path() -> None:
+    """Print the library the llama.cpp engine loads (error when it is not built yet)."""
+    from .native import build
+
+    click.echo(str(build.library_path(auto_build=False)))
+
+
+@cli.group()
 def analyze() -> None:
     """Look inside a model's KV cache."""
 

@@ -8,7 +8,7 @@ from ..errors import SekvError
 from ..models.tokenizer import Tokenizer
 from .base import Engine, EngineOptions
 
-ENGINES = ("torch", "llama.cpp-stock")
+ENGINES = ("torch", "llama.cpp", "llama.cpp-stock")
 
 
 def create_engine(name: str, gguf_path: str | Path, tokenizer: Tokenizer, options: EngineOptions) -> Engine:
@@ -16,6 +16,10 @@ def create_engine(name: str, gguf_path: str | Path, tokenizer: Tokenizer, option
         from .torch_engine import TorchEngine
 
         return TorchEngine(gguf_path, tokenizer, options)
+    if name == "llama.cpp":
+        from .llama_cpp_sekv import LlamaCppSekvEngine
+
+        return LlamaCppSekvEngine(gguf_path, tokenizer, options)
     if name == "llama.cpp-stock":
         from .llama_cpp_stock import LlamaCppStockEngine
 

@@ -1,0 +1,189 @@
+// SeKV's decode step as one ggml graph of stock ops (so the same graph can run on any ggml backend).
+//
+// Per layer: q/k/v from llama.cpp's (quantized) weights, RoPE; the new K/V row is written into the
+// exact rows; routing scores every span by its coarse attention logit + log|S| (max over the KV group's
+// query heads), a hard top-k picks the spans to zoom into; their rows are rebuilt from the SVD factors
+// (get_rows + mul_mat), RoPE'd at their original positions; one softmax runs over exact rows, summary
+// rows (+log|S|, the zoomed spans' rows masked) and the rebuilt rows.
+#include "sekv_internal.h"
+
+#include "llama-model.h"
+
+#include <cmath>
+
+namespace {
+
+struct step_builder {
+    sekv_memory * mem;
+    ggml_context * ctx;
+    const sekv_model * m;
+    ggml_tensor * pos;
+    int64_t D, H, KV, G, n_rows;
+
+    ggml_tensor * rope(ggml_tensor * x, ggml_tensor * positions, ggml_tensor * factors) const {
+        return ggml_rope_ext(ctx, x, positions, factors, (int) D, m->rope_type, m->n_ctx_orig, m->rope_base,
+                             m->rope_scale, 0.0f, 1.0f, m->beta_fast, m->beta_slow);
+    }
+
+    // a [N, G, KV] slice [from, from + n) along dim 0, made contiguous for mul_mat
+    ggml_tensor * rows(ggml_tensor * a, int64_t from, int64_t n) const {
+        return ggml_cont(ctx, ggml_view_3d(ctx, a, n, a->ne[1], a->ne[2], a->nb[1], a->nb[2], from * a->nb[0]));
+    }
+
+    // element-wise max over dim 1 (the query heads of a KV group): [S, G, KV] -> [S, KV]
+    ggml_tensor * max_over_group(ggml_tensor * a) const {
+        ggml_tensor * best = ggml_cont(ctx, ggml_view_3d(ctx, a, a->ne[0], 1, a->ne[2], a->nb[1], a->nb[2], 0));
+        for (int64_t g = 1; g < a->ne[1]; ++g) {
+            ggml_tensor * x = ggml_cont(ctx, ggml_view_3d(ctx, a, a->ne[0], 1, a->ne[2], a->nb[1], a->nb[2], g * a->nb[1]));
+            // max(a, b) = (a + b + |a - b|) / 2
+            best = ggml_scale(ctx, ggml_add(ctx, ggml_add(ctx, best, x), ggml_abs(ctx, ggml_sub(ctx, best, x))), 0.5f);
+        }
+        return ggml_reshape_2d(ctx, best, a->ne[0], a->ne[2]);
+    }
+
+    // attention of one query token q [D, G, KV] over the layer's memory -> [D * H, 1]
+    ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor ** zoom_out) const {
+        const sekv_layer_tensors & t = mem->layers[il];
+        const float scale = 1.0f / std::sqrt((float) D);
+        const int64_t S = mem->params.n_spans;
+        const int64_t k = std::min<int64_t>(mem->params.zoom_k, S);
+        const int64_t l = mem->params.span_rows, R = mem->params.rank;
+
+        ggml_tensor * ek = ggml_view_3d(ctx, t.ek, D, n_rows, KV, t.ek->nb[1], t.ek->nb[2], 0);
+        ggml_tensor * evt = ggml_view_3d(ctx, t.evt, n_rows, D, KV, t.evt->nb[1], t.evt->nb[2], 0);
+        ggml_tensor * scores = ggml_scale(ctx, ggml_mul_mat(ctx, ek, q), scale);  // [n_rows, G, KV]
+        ggml_tensor * zv = nullptr;
+        if (S > 0) {
+            ggml_tensor * coarse = ggml_scale(ctx, ggml_mul_mat(ctx, t.sk, q), scale);  // [S, G, KV]
+            ggml_tensor * coarse_bias = ggml_repeat_4d(ctx, mem->coarse_bias, 1, S, KV, 1);
+            if (k > 0) {
+                ggml_tensor * route = max_over_group(ggml_add(ctx, coarse, mem->route_bias));  // [S, KV]
+                ggml_tensor * chosen = ggml_top_k(ctx, route, (int) k);  // i32 [k, KV]
+                ggml_set_output(chosen);
+                *zoom_out = chosen;
+                // rebuild the chosen spans per (span, KV head): rows = U W for factored spans, the stored
+                // rows for raw ones; each span reads the other table's zero slot, so the sum is its rows
+                ggml_tensor * zk = nullptr, * zvt = nullptr;  // [D, l, k*KV], [l, D, k*KV]
+                if (t.n_factored[0] > 0) {  // pre-RoPE factors: rotate the rebuilt rows
+                    ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.k_fslot, chosen), k, KV);
+                    ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uk, f), R, l, k * KV);
+                    ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wk, f), R, D, k * KV);
+                    ggml_tensor * zpos = ggml_reshape_1d(ctx, ggml_get_rows(ctx, mem->row_pos, chosen), l * k * KV);
+                    zk = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w, u), D, 1, l * k * KV);
+                    zk = ggml_reshape_3d(ctx, rope(zk, zpos, m->model->layers[il].rope_freqs), D, l, k * KV);
+                }
+                if (t.n_raw[0] > 0) {  // raw keys are stored rotated at their own positions
+                    ggml_tensor * r = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.k_rslot, chosen), k, KV);
+                    ggml_tensor * rows = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.rk, r), D, l, k * KV);
+                    zk = zk != nullptr ? ggml_add(ctx, zk, rows) : rows;
+                }
+                if (t.n_factored[1] > 0) {
+                    ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.v_fslot, chosen), k, KV);
+                    ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uv, f), R, l, k * KV);
+                    ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wv, f), R, D, k * KV);
+                    zvt = ggml_mul_mat(ctx, u, w);
+                }
+                if (t.n_raw[1] > 0) {
+                    ggml_tensor * r = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.v_rslot, chosen), k, KV);
+                    ggml_tensor * rows = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.rvt, r), l, D, k * KV);
+                    zvt = zvt != nullptr ? ggml_add(ctx, zvt, rows) : rows;
+                }
+                zk = ggml_reshape_3d(ctx, zk, D, l * k, KV);
+                zv = zvt;  // [l, D, k*KV]: each span's values on their own (see the output below)
+                ggml_tensor * zmask = ggml_reshape_3d(ctx, ggml_get_rows(ctx, mem->row_mask, chosen), l * k, 1, KV);
+                ggml_tensor * zscores = ggml_add(ctx, ggml_scale(ctx, ggml_mul_mat(ctx, zk, q), scale), zmask);
+                // a zoomed span is represented by its rebuilt rows only: its summary row leaves the softmax
+                ggml_tensor * ninf = ggml_view_3d(ctx, mem->neg_inf, 1, k, KV, mem->neg_inf->nb[1], mem->neg_inf->nb[2], 0);
+                coarse_bias = ggml_set_rows(ctx, coarse_bias, ninf, chosen);
+                coarse = ggml_add(ctx, coarse, ggml_reshape_3d(ctx, coarse_bias, S, 1, KV));
+                scores = ggml_concat(ctx, ggml_concat(ctx, scores, coarse, 0), zscores, 0);
+            } else {
+                coarse = ggml_add(ctx, coarse, ggml_reshape_3d(ctx, ggml_cont(ctx, coarse_bias), S, 1, KV));
+                scores = ggml_concat(ctx, scores, coarse, 0);
+            }
+        }
+        ggml_tensor * probs = ggml_soft_max(ctx, scores);  // [N, G, KV]
+        ggml_tensor * out = ggml_mul_mat(ctx, evt, rows(probs, 0, n_rows));  // [D, G, KV]
+        if (S > 0) {
+            out = ggml_add(ctx, out, ggml_mul_mat(ctx, t.svt, rows(probs, n_rows, S)));
+            if (zv != nullptr) {
+                // per (span, KV head): [l, D] x [l, G] -> [D, G]; then the sum over the k spans
+                const int64_t G = q->ne[1];
+                ggml_tensor * pz = ggml_view_4d(ctx, probs, l, k, G, KV, l * probs->nb[0], probs->nb[1], probs->nb[2],
+                                                (n_rows + S) * probs->nb[0]);
+                pz = ggml_cont(ctx, ggml_permute(ctx, pz, 0, 2, 1, 3));  // [l, G, k, KV]
+                ggml_tensor * per_span = ggml_mul_mat(ctx, zv, ggml_reshape_3d(ctx, pz, l, G, k * KV));  // [D, G, k*KV]
+                per_span = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, per_span, D * G, k, KV), 1, 0, 2, 3));
+                out = ggml_add(ctx, out, ggml_reshape_3d(ctx, ggml_sum_rows(ctx, per_span), D, G, KV));
+            }
+        }
+        return ggml_reshape_2d(ctx, out, D * H, 1);
+    }
+};
+
+ggml_tensor * matmul_bias(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, ggml_tensor * x) {
+    ggml_tensor * y = ggml_mul_mat(ctx, w, x);
+    return b != nullptr ? ggml_add(ctx, y, b) : y;
+}
+
+}  // namespace
+
+ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggml_tensor ** inp_token,
+                                      ggml_tensor ** inp_pos, std::vector<ggml_tensor *> & zoom) {
+    const sekv_model * m = mem->model;
+    const llama_model & lm = *m->model;
+    const sekv_model_info & info = m->info;
+    const int64_t D = info.head_dim, H = info.n_head, KV = info.n_head_kv;
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, 16384, false);
+
+    *inp_token = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
+    *inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
+    ggml_set_input(*inp_token);
+    ggml_set_input(*inp_pos);
+    step_builder b{mem, ctx, m, *inp_pos, D, H, KV, H / KV, mem->n_exact + 1};
+
+    ggml_tensor * x = ggml_get_rows(ctx, lm.tok_embd, *inp_token);  // [n_embd, 1]
+    zoom.assign(info.n_layer, nullptr);
+    for (int il = 0; il < info.n_layer; ++il) {
+        const llama_layer & w = lm.layers[il];
+        ggml_tensor * cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), w.attn_norm);
+        ggml_tensor * q, * k, * v;
+        if (w.wqkv != nullptr) {
+            ggml_tensor * qkv = matmul_bias(ctx, w.wqkv, w.wqkv_b, cur);
+            q = ggml_cont(ctx, ggml_view_1d(ctx, qkv, D * H, 0));
+            k = ggml_cont(ctx, ggml_view_1d(ctx, qkv, D * KV, D * H * qkv->nb[0]));
+            v = ggml_cont(ctx, ggml_view_1d(ctx, qkv, D * KV, D * (H + KV) * qkv->nb[0]));
+        } else {
+            q = matmul_bias(ctx, w.wq, w.wq_b, cur);
+            k = matmul_bias(ctx, w.wk, w.wk_b, cur);
+            v = matmul_bias(ctx, w.wv, w.wv_b, cur);
+        }
+        q = b.rope(ggml_reshape_3d(ctx, q, D, H, 1), *inp_pos, w.rope_freqs);
+        k = b.rope(ggml_reshape_3d(ctx, k, D, KV, 1), *inp_pos, w.rope_freqs);
+
+        // the new token becomes exact row n_exact of this layer
+        const sekv_layer_tensors & t = mem->layers[il];
+        const int64_t row = mem->n_exact;
+        ggml_tensor * k_dst = ggml_view_3d(ctx, t.ek, D, 1, KV, t.ek->nb[1], t.ek->nb[2], row * t.ek->nb[1]);
+        ggml_tensor * v_dst = ggml_view_3d(ctx, t.evt, 1, D, KV, t.evt->nb[1], t.evt->nb[2], row * t.evt->nb[0]);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_3d(ctx, k, D, 1, KV), k_dst));
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_3d(ctx, v, 1, D, KV), v_dst));
+
+        ggml_tensor * attn = b.attend(il, ggml_reshape_3d(ctx, q, D, H / KV, KV), &zoom[il]);
+        x = ggml_add(ctx, x, matmul_bias(ctx, w.wo, w.wo_b, attn));
+
+        cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), w.ffn_norm);
+        ggml_tensor * gate = ggml_silu(ctx, matmul_bias(ctx, w.ffn_gate, w.ffn_gate_b, cur));
+        ggml_tensor * up = matmul_bias(ctx, w.ffn_up, w.ffn_up_b, cur);
+        x = ggml_add(ctx, x, matmul_bias(ctx, w.ffn_down, w.ffn_down_b, ggml_mul(ctx, gate, up)));
+    }
+    x = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), lm.output_norm);
+    ggml_tensor * logits = ggml_mul_mat(ctx, lm.output, x);
+    ggml_set_output(logits);
+    ggml_set_name(logits, "logits");
+    ggml_build_forward_expand(gf, logits);
+    for (ggml_tensor * z : zoom) {
+        if (z != nullptr) ggml_build_forward_expand(gf, z);
+    }
+    return gf;
+}

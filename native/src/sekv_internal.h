@@ -1,0 +1,74 @@
+// Shared between the native sources: the model handle, the memory and its tensors.
+#pragma once
+
+#include "sekv_native.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "llama.h"
+
+#include <string>
+#include <vector>
+
+struct llama_model;
+
+void sekv_set_error(const std::string & message);
+
+struct sekv_model {
+    llama_model * model = nullptr;
+    ggml_backend_t backend = nullptr;  // the CPU backend the decode graph runs on
+    sekv_model_info info{};
+    int rope_type = 0;
+    float rope_base = 10000.0f;
+    float rope_scale = 1.0f;
+    int n_ctx_orig = 0;
+    float beta_fast = 32.0f;
+    float beta_slow = 1.0f;
+    float norm_eps = 1e-5f;
+};
+
+// One layer of the memory. Device tier: exact rows and span summaries. Host tier: span factors.
+//   ek  f16 [D, cap, KV]      exact keys (post-RoPE)        evt f16 [cap, D, KV]  exact values, transposed
+//   sk  f16 [D, S, KV]        summary keys (post-RoPE)      svt f16 [S, D, KV]    summary values, transposed
+//   uk, uv f16 [R*l, F+1, KV] factored spans' U (l x R)   wk, wv f16 [R*D, F+1, KV] their W^T (D x R)
+//   (F and n_raw per layer and per keys / values)
+//   rk f16 [D*l, n_raw+1, KV] raw spans' keys (pre-RoPE)   rvt f16 [l*D, n_raw+1, KV] their values, transposed
+//   k_fslot, k_rslot, v_fslot, v_rslot i32 [1, S, KV]: each span's slot in the factored / raw table
+// The last slot of each table stays zero: a span indexes it in the table it is not stored in.
+struct sekv_layer_tensors {
+    ggml_tensor * ek = nullptr, * evt = nullptr, * sk = nullptr, * svt = nullptr;
+    ggml_tensor * uk = nullptr, * wk = nullptr, * uv = nullptr, * wv = nullptr;
+    ggml_tensor * rk = nullptr, * rvt = nullptr;
+    ggml_tensor * k_fslot = nullptr, * k_rslot = nullptr, * v_fslot = nullptr, * v_rslot = nullptr;
+    int32_t n_factored[2] = {0, 0};  // keys, values
+    int32_t n_raw[2] = {0, 0};
+};
+
+struct sekv_memory {
+    sekv_model * model = nullptr;
+    sekv_memory_params params{};
+    int32_t n_exact = 0;  // valid exact rows (the same in every layer)
+    std::vector<int32_t> layer_exact;  // rows set per layer by the import (must agree before decoding)
+
+    ggml_context * device_ctx = nullptr;
+    ggml_context * host_ctx = nullptr;
+    ggml_backend_buffer_t device_buf = nullptr;
+    ggml_backend_buffer_t host_buf = nullptr;
+    std::vector<sekv_layer_tensors> layers;
+    // span metadata (device tier): routing bias log|S| [S], coarse-row bias [S],
+    // rebuilt-row positions i32 [l, S, KV], rebuilt-row padding mask (0 / -inf) [l, S, KV]
+    ggml_tensor * route_bias = nullptr, * coarse_bias = nullptr, * row_pos = nullptr, * row_mask = nullptr;
+    ggml_tensor * neg_inf = nullptr;  // [1, zoom_k, KV] filled with -inf: masks the coarse row of a zoomed span
+    bool spans_set = false;
+    std::vector<bool> layer_spans_set;
+
+    ggml_gallocr_t allocr = nullptr;
+    std::vector<uint8_t> graph_meta;  // scratch for the per-step graph's tensor headers
+    std::vector<std::vector<int32_t>> last_zoom;  // [layer][KV * k]
+    int32_t last_zoom_k = 0;
+};
+
+// The decode graph of one token; fills `zoom` with each layer's top-k index tensor (or nullptr).
+ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggml_tensor ** inp_token,
+                                      ggml_tensor ** inp_pos, std::vector<ggml_tensor *> & zoom);

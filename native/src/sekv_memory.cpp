@@ -1,0 +1,250 @@
+// The SeKV memory: device-tier and host-tier tensors, and importing a memory the torch engine built.
+#include "sekv_internal.h"
+
+#include <cmath>
+#include <cstring>
+
+static bool check_params(const sekv_memory_params & p, const sekv_model_info & info) {
+    if (p.exact_capacity < 1 || p.n_spans < 0 || p.span_rows < 1 || p.rank < 1 || p.zoom_k < 0 ||
+        p.n_spans < 0) {
+        sekv_set_error("sekv_memory_params: need exact_capacity >= 1, span_rows >= 1, rank >= 1, zoom_k >= 0, n_spans >= 0");
+        return false;
+    }
+    for (int32_t i = 0; i < 2 * info.n_layer; ++i) {
+        if (p.n_factored == nullptr || p.n_raw == nullptr || p.n_factored[i] < 0 || p.n_raw[i] < 0 ||
+            p.n_factored[i] + p.n_raw[i] != p.n_spans) {
+            sekv_set_error("sekv_memory_params: every layer's keys and values store each span once "
+                           "(n_factored + n_raw == n_spans)");
+            return false;
+        }
+    }
+    if (p.rank > p.span_rows && p.rank > info.head_dim) {
+        sekv_set_error("sekv_memory_params: rank larger than both span_rows and head_dim");
+        return false;
+    }
+    if (!(p.summary_bias >= 0.0f)) {
+        sekv_set_error("sekv_memory_params: summary_bias must be >= 0");
+        return false;
+    }
+    return true;
+}
+
+sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * params) {
+    const sekv_model_info & info = model->info;
+    if (!check_params(*params, info)) {
+        return nullptr;
+    }
+    auto * mem = new sekv_memory();
+    mem->model = model;
+    mem->params = *params;
+    mem->params.n_factored = mem->params.n_raw = nullptr;  // the caller's arrays: copied per layer below
+    const int64_t L = info.n_layer, KV = info.n_head_kv, D = info.head_dim;
+    const int64_t cap = params->exact_capacity, S = std::max<int64_t>(params->n_spans, 1);
+    const int64_t l = params->span_rows, R = params->rank, k = std::max<int32_t>(params->zoom_k, 1);
+
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (L * 8 + 16), nullptr, true};
+    mem->device_ctx = ggml_init(ip);
+    mem->host_ctx = ggml_init(ip);
+    mem->layers.resize(L);
+    for (int64_t il = 0; il < L; ++il) {
+        auto & t = mem->layers[il];
+        for (int kv = 0; kv < 2; ++kv) {
+            t.n_factored[kv] = params->n_factored[2 * il + kv];
+            t.n_raw[kv] = params->n_raw[2 * il + kv];
+        }
+        // + 1: the zero slot
+        const int64_t Fk = t.n_factored[0] + 1, Fv = t.n_factored[1] + 1, Wk = t.n_raw[0] + 1, Wv = t.n_raw[1] + 1;
+        t.ek = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, D, cap, KV);
+        t.evt = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, cap, D, KV);
+        t.sk = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, D, S, KV);
+        t.svt = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, S, D, KV);
+        t.uk = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, R * l, Fk, KV);
+        t.wk = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, R * D, Fk, KV);
+        t.uv = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, R * l, Fv, KV);
+        t.wv = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, R * D, Fv, KV);
+        t.rk = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, D * l, Wk, KV);
+        t.rvt = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, l * D, Wv, KV);
+        t.k_fslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
+        t.k_rslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
+        t.v_fslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
+        t.v_rslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
+    }
+    mem->route_bias = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, S, 1, 1);
+    mem->coarse_bias = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, 1, S, 1);
+    mem->row_pos = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, l, S, KV);
+    mem->row_mask = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, l, S, KV);
+    mem->neg_inf = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, 1, k, KV);
+
+    mem->device_buf = ggml_backend_alloc_ctx_tensors(mem->device_ctx, model->backend);
+    mem->host_buf = ggml_backend_alloc_ctx_tensors(mem->host_ctx, model->backend);
+    if (mem->device_buf == nullptr || mem->host_buf == nullptr) {
+        sekv_set_error("could not allocate the SeKV memory buffers");
+        sekv_memory_free(mem);
+        return nullptr;
+    }
+    ggml_backend_buffer_clear(mem->device_buf, 0);
+    ggml_backend_buffer_clear(mem->host_buf, 0);
+    std::vector<float> ninf((size_t) (k * KV), -INFINITY);
+    ggml_backend_tensor_set(mem->neg_inf, ninf.data(), 0, ggml_nbytes(mem->neg_inf));
+    mem->layer_exact.assign(L, 0);
+    mem->layer_spans_set.assign(L, params->n_spans == 0);
+    mem->last_zoom.assign(L, {});
+    mem->allocr = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend));
+    mem->spans_set = params->n_spans == 0;
+    return mem;
+}
+
+void sekv_memory_free(sekv_memory * mem) {
+    if (mem == nullptr) {
+        return;
+    }
+    if (mem->allocr) ggml_gallocr_free(mem->allocr);
+    if (mem->device_buf) ggml_backend_buffer_free(mem->device_buf);
+    if (mem->host_buf) ggml_backend_buffer_free(mem->host_buf);
+    if (mem->device_ctx) ggml_free(mem->device_ctx);
+    if (mem->host_ctx) ggml_free(mem->host_ctx);
+    delete mem;
+}
+
+static bool check_layer(const sekv_memory * mem, int32_t layer) {
+    if (layer < 0 || layer >= mem->model->info.n_layer) {
+        sekv_set_error("layer index out of range");
+        return false;
+    }
+    return true;
+}
+
+// [KV][n][D] half rows -> a [D, cap, KV] tensor (keys) or its transpose [cap, D, KV] (values).
+static void set_rows_by_head(ggml_tensor * dst, const uint16_t * src, int64_t n, int64_t D, int64_t KV, bool transposed) {
+    const int64_t cap = transposed ? dst->ne[0] : dst->ne[1];
+    std::vector<uint16_t> buf;
+    if (!transposed) {
+        for (int64_t h = 0; h < KV; ++h) {
+            ggml_backend_tensor_set(dst, src + h * n * D, h * dst->nb[2], (size_t) (n * D) * 2);
+        }
+        return;
+    }
+    buf.assign((size_t) (cap * D * KV), 0);
+    for (int64_t h = 0; h < KV; ++h) {
+        for (int64_t i = 0; i < n; ++i) {
+            for (int64_t d = 0; d < D; ++d) {
+                buf[(h * D + d) * cap + i] = src[(h * n + i) * D + d];
+            }
+        }
+    }
+    ggml_backend_tensor_set(dst, buf.data(), 0, buf.size() * 2);
+}
+
+int sekv_memory_set_exact(sekv_memory * mem, int32_t layer, int32_t n_rows, const uint16_t * k, const uint16_t * v) {
+    if (!check_layer(mem, layer)) return -1;
+    if (n_rows < 0 || n_rows >= mem->params.exact_capacity) {
+        sekv_set_error("exact rows must leave room below exact_capacity for the tokens to decode");
+        return -1;
+    }
+    const int64_t KV = mem->model->info.n_head_kv, D = mem->model->info.head_dim;
+    auto & t = mem->layers[layer];
+    set_rows_by_head(t.ek, k, n_rows, D, KV, false);
+    set_rows_by_head(t.evt, v, n_rows, D, KV, true);
+    mem->layer_exact[layer] = n_rows;
+    mem->n_exact = n_rows;
+    return 0;
+}
+
+int sekv_memory_set_spans(sekv_memory * mem, const int32_t * start, const int32_t * length) {
+    const int64_t S = mem->params.n_spans, l = mem->params.span_rows, KV = mem->model->info.n_head_kv;
+    if (S == 0) return 0;
+    std::vector<float> route((size_t) S), coarse((size_t) S);
+    std::vector<int32_t> pos((size_t) (l * S * KV));
+    std::vector<float> mask((size_t) (l * S * KV));
+    for (int64_t s = 0; s < S; ++s) {
+        if (length[s] < 1 || length[s] > l || start[s] < 0) {
+            sekv_set_error("span " + std::to_string(s) + ": length outside [1, span_rows] or negative start");
+            return -1;
+        }
+        const float log_len = std::log((float) length[s]);
+        route[s] = log_len;
+        coarse[s] = mem->params.summary_bias > 0.0f ? mem->params.summary_bias * log_len : -INFINITY;
+        for (int64_t h = 0; h < KV; ++h) {
+            for (int64_t t = 0; t < l; ++t) {
+                const size_t i = (size_t) ((h * S + s) * l + t);
+                pos[i] = start[s] + (int32_t) t;
+                mask[i] = t < length[s] ? 0.0f : -INFINITY;
+            }
+        }
+    }
+    ggml_backend_tensor_set(mem->route_bias, route.data(), 0, route.size() * 4);
+    ggml_backend_tensor_set(mem->coarse_bias, coarse.data(), 0, coarse.size() * 4);
+    ggml_backend_tensor_set(mem->row_pos, pos.data(), 0, pos.size() * 4);
+    ggml_backend_tensor_set(mem->row_mask, mask.data(), 0, mask.size() * 4);
+    mem->spans_set = true;
+    return 0;
+}
+
+// [S][KV][width] -> a [width, S, KV] tensor (swap the span and head axes)
+static void set_span_major(ggml_tensor * dst, const uint16_t * src, int64_t S, int64_t KV, int64_t width) {
+    for (int64_t h = 0; h < KV; ++h) {
+        for (int64_t s = 0; s < S; ++s) {
+            ggml_backend_tensor_set(dst, src + (s * KV + h) * width, (size_t) (h * dst->nb[2] + s * dst->nb[1]),
+                                    (size_t) width * 2);
+        }
+    }
+}
+
+// One store (keys or values) of a layer: slot tables from is_raw, then the factored and raw rows.
+static bool set_store(sekv_memory * mem, const sekv_span_rows & rows, ggml_tensor * u, ggml_tensor * w,
+                      ggml_tensor * raw, ggml_tensor * fslot, ggml_tensor * rslot, int32_t F, int32_t W) {
+    const int64_t S = mem->params.n_spans, KV = mem->model->info.n_head_kv, D = mem->model->info.head_dim;
+    const int64_t l = mem->params.span_rows, R = mem->params.rank;
+    std::vector<int32_t> f((size_t) (S * KV)), r((size_t) (S * KV));
+    int32_t nf = 0, nr = 0;
+    for (int64_t s = 0; s < S; ++s) {
+        const bool is_raw = rows.is_raw[s] != 0;
+        if ((is_raw && nr >= W) || (!is_raw && nf >= F)) {
+            sekv_set_error("a layer stores more factored or raw spans than sekv_memory_params said (n_factored / n_raw)");
+            return false;
+        }
+        for (int64_t h = 0; h < KV; ++h) {
+            f[(size_t) (h * S + s)] = is_raw ? F : nf;  // F, W: the zero slots
+            r[(size_t) (h * S + s)] = is_raw ? nr : W;
+        }
+        (is_raw ? nr : nf) += 1;
+    }
+    ggml_backend_tensor_set(fslot, f.data(), 0, f.size() * 4);
+    ggml_backend_tensor_set(rslot, r.data(), 0, r.size() * 4);
+    set_span_major(u, rows.u, nf, KV, l * R);
+    set_span_major(w, rows.w, nf, KV, D * R);
+    set_span_major(raw, rows.raw, nr, KV, l * D);
+    return true;
+}
+
+int sekv_memory_set_layer_spans(sekv_memory * mem, int32_t layer, const uint16_t * sum_k, const uint16_t * sum_v,
+                                const sekv_span_rows * keys, const sekv_span_rows * values) {
+    if (!check_layer(mem, layer)) return -1;
+    const int64_t S = mem->params.n_spans, KV = mem->model->info.n_head_kv, D = mem->model->info.head_dim;
+    if (S == 0) return 0;
+    auto & t = mem->layers[layer];
+    set_rows_by_head(t.sk, sum_k, S, D, KV, false);
+    set_rows_by_head(t.svt, sum_v, S, D, KV, true);
+    if (!set_store(mem, *keys, t.uk, t.wk, t.rk, t.k_fslot, t.k_rslot, t.n_factored[0], t.n_raw[0]) ||
+        !set_store(mem, *values, t.uv, t.wv, t.rvt, t.v_fslot, t.v_rslot, t.n_factored[1], t.n_raw[1])) {
+        return -1;
+    }
+    mem->layer_spans_set[layer] = true;
+    return 0;
+}
+
+int32_t sekv_memory_n_exact(const sekv_memory * mem) { return mem->n_exact; }
+
+int sekv_memory_bytes(const sekv_memory * mem, uint64_t * device, uint64_t * host, uint64_t * compute) {
+    *device = ggml_backend_buffer_get_size(mem->device_buf);
+    *host = ggml_backend_buffer_get_size(mem->host_buf);
+    *compute = ggml_gallocr_get_buffer_size(mem->allocr, 0);
+    return 0;
+}
+
+int32_t sekv_memory_last_zoom(const sekv_memory * mem, int32_t layer, int32_t * spans) {
+    if (!check_layer(mem, layer)) return -1;
+    const auto & z = mem->last_zoom[layer];
+    std::copy(z.begin(), z.end(), spans);
+    return z.empty() ? 0 : mem->last_zoom_k;
+}

@@ -1,0 +1,88 @@
+// Loading a GGUF model through llama.cpp's own loader (quantized weights stay as llama.cpp keeps them).
+#include "sekv_internal.h"
+
+#include "ggml-cpu.h"
+#include "llama-model.h"
+
+#include <mutex>
+
+static thread_local std::string g_error;
+
+void sekv_set_error(const std::string & message) { g_error = message; }
+
+const char * sekv_last_error(void) { return g_error.c_str(); }
+
+static void quiet_log(ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        fputs(text, stderr);
+    }
+}
+
+static const char * unsupported(const llama_model * m) {
+    const auto & hp = m->hparams;
+    if (m->arch != LLM_ARCH_LLAMA) {
+        return "only llama-architecture models are supported by the native engine so far";
+    }
+    if (hp.n_embd_head_k() != hp.n_embd_head_v() || hp.n_rot() != hp.n_embd_head_k()) {
+        return "models whose RoPE does not cover the whole head are not supported";
+    }
+    if (hp.rope_scaling_type_train == LLAMA_ROPE_SCALING_TYPE_YARN ||
+        hp.rope_scaling_type_train == LLAMA_ROPE_SCALING_TYPE_LONGROPE) {
+        return "YaRN / LongRoPE scaled models are not supported";
+    }
+    if (hp.n_expert > 0 || hp.use_kq_norm) {
+        return "mixture-of-experts and QK-norm llama variants are not supported";
+    }
+    return nullptr;
+}
+
+sekv_model * sekv_model_load(const char * path, int32_t n_threads) {
+    static std::once_flag init;
+    std::call_once(init, [] {
+        llama_log_set(quiet_log, nullptr);
+        llama_backend_init();
+    });
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    llama_model * lm = llama_model_load_from_file(path, mp);
+    if (lm == nullptr) {
+        sekv_set_error(std::string("llama.cpp could not load ") + path);
+        return nullptr;
+    }
+    if (const char * why = unsupported(lm)) {
+        sekv_set_error(why);
+        llama_model_free(lm);
+        return nullptr;
+    }
+    auto * m = new sekv_model();
+    m->model = lm;
+    m->backend = ggml_backend_cpu_init();
+    ggml_backend_cpu_set_n_threads(m->backend, n_threads > 0 ? n_threads : 1);
+    const auto & hp = lm->hparams;
+    m->info.n_layer = (int32_t) hp.n_layer();
+    m->info.n_head = (int32_t) hp.n_head();
+    m->info.n_head_kv = (int32_t) hp.n_head_kv();
+    m->info.head_dim = (int32_t) hp.n_embd_head_k();
+    m->info.n_embd = (int32_t) hp.n_embd;
+    m->info.n_vocab = (int32_t) llama_vocab_n_tokens(llama_model_get_vocab(lm));
+    m->info.n_ctx_train = (int32_t) hp.n_ctx_train;
+    m->rope_type = (int) llama_model_rope_type(lm);
+    m->rope_base = hp.rope_freq_base_train;
+    m->rope_scale = hp.rope_freq_scale_train;
+    m->n_ctx_orig = (int) hp.n_ctx_orig_yarn;
+    m->beta_fast = hp.yarn_beta_fast;
+    m->beta_slow = hp.yarn_beta_slow;
+    m->norm_eps = hp.f_norm_rms_eps;
+    return m;
+}
+
+void sekv_model_free(sekv_model * model) {
+    if (model == nullptr) {
+        return;
+    }
+    ggml_backend_free(model->backend);
+    llama_model_free(model->model);
+    delete model;
+}
+
+void sekv_model_get_info(const sekv_model * model, sekv_model_info * out) { *out = model->info; }

@@ -1,0 +1,94 @@
+/* sekv-native: SeKV's mixed-resolution memory and decode step on llama.cpp's loader and ggml kernels.
+ *
+ * A new C API next to llama.h (whose structs stay untouched): load a GGUF model, create a SeKV memory
+ * sized for one document, import the memory the torch engine built (exact rows, span summaries, span
+ * SVD factors), decode one token at a time, and report device- and host-tier bytes of the real buffers.
+ *
+ * Tensor arguments are row-major C arrays of IEEE half floats (uint16_t) unless said otherwise.
+ * KV = KV heads, D = head dim, S = spans, l = span_rows, R = rank.
+ * Every function that can fail returns 0 on success and -1 on failure; sekv_last_error() says why.
+ */
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(SEKV_NATIVE_BUILD)
+#define SEKV_API __attribute__((visibility("default")))
+#else
+#define SEKV_API
+#endif
+
+typedef struct sekv_model sekv_model;
+typedef struct sekv_memory sekv_memory;
+
+typedef struct sekv_model_info {
+    int32_t n_layer;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t n_embd;
+    int32_t n_vocab;
+    int32_t n_ctx_train;
+} sekv_model_info;
+
+typedef struct sekv_memory_params {
+    int32_t exact_capacity; /* exact rows per layer: anchors, pending rows and every token decoded later */
+    int32_t n_spans;        /* S */
+    int32_t span_rows;      /* l: rows of a span slot (the longest span) */
+    int32_t rank;           /* R: factor columns of a factored span (the largest stored rank) */
+    int32_t zoom_k;         /* spans rebuilt per layer and KV head per step (hard top-k) */
+    float summary_bias;     /* multiplier of +log|S| on unexpanded spans' summary rows (0 = leave them out) */
+    const int32_t * n_factored; /* [n_layer][2]: spans each layer stores as SVD factors, keys then values */
+    const int32_t * n_raw;      /* [n_layer][2]: spans stored raw (factors would not be smaller than the span) */
+} sekv_memory_params;
+
+SEKV_API const char * sekv_last_error(void);
+
+SEKV_API sekv_model * sekv_model_load(const char * path, int32_t n_threads);
+SEKV_API void sekv_model_free(sekv_model * model);
+SEKV_API void sekv_model_get_info(const sekv_model * model, sekv_model_info * out);
+
+SEKV_API sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * params);
+SEKV_API void sekv_memory_free(sekv_memory * memory);
+
+/* Exact rows of one layer: k, v [KV][n_rows][D]; k post-RoPE at each token's own position. */
+SEKV_API int sekv_memory_set_exact(sekv_memory * memory, int32_t layer, int32_t n_rows,
+                                   const uint16_t * k, const uint16_t * v);
+/* Span table shared by all layers: first position and length of each span, int32 [S]. */
+SEKV_API int sekv_memory_set_spans(sekv_memory * memory, const int32_t * start, const int32_t * length);
+
+/* How one layer stores the keys (or values) of its spans. is_raw int32 [S]: 1 = stored raw, 0 = as
+ * factors; the i-th factored span is u[i], w[i], the i-th raw span raw[i] (in span order).
+ * u [n_factored_here][KV][l][R], w [..][KV][D][R] (W transposed): rows = U W;
+ * raw [n_raw_here][KV][l][D] for keys (pre-RoPE), [n_raw_here][KV][D][l] for values (transposed).
+ * Rows past a span's length are zero. */
+typedef struct sekv_span_rows {
+    const int32_t * is_raw;
+    const uint16_t * u;
+    const uint16_t * w;
+    const uint16_t * raw;
+} sekv_span_rows;
+
+/* One layer's spans: summaries sum_k, sum_v [KV][S][D] (sum_k post-RoPE at the span centre) and rows. */
+SEKV_API int sekv_memory_set_layer_spans(sekv_memory * memory, int32_t layer,
+                                         const uint16_t * sum_k, const uint16_t * sum_v,
+                                         const sekv_span_rows * keys, const sekv_span_rows * values);
+
+/* One token at `position`: appends its K/V to the exact rows of every layer; logits float [n_vocab]. */
+SEKV_API int sekv_decode(sekv_memory * memory, int32_t token, int32_t position, float * logits);
+
+SEKV_API int32_t sekv_memory_n_exact(const sekv_memory * memory);
+/* device: the persistent device-tier buffer; host: span factors; compute: the step's graph buffer
+ * (activations plus the zoom working set) as allocated by the last decode. */
+SEKV_API int sekv_memory_bytes(const sekv_memory * memory, uint64_t * device, uint64_t * host, uint64_t * compute);
+/* Spans rebuilt by `layer` in the last decode step: int32 [KV][k] written to spans; returns k (0: none). */
+SEKV_API int32_t sekv_memory_last_zoom(const sekv_memory * memory, int32_t layer, int32_t * spans);
+
+#ifdef __cplusplus
+}
+#endif

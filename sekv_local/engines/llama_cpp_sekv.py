@@ -1,0 +1,185 @@
+"""`--engine llama.cpp`: SeKV decoding in the native library (llama.cpp's loader and quantized kernels).
+
+The torch engine stays the ground truth and, for now, does the prefill: it reads the document (and
+each user turn) in chunks, segments and compresses it; its memory is then imported into the native
+memory and every generated token is decoded natively. Tokens decoded natively are fed back to the
+torch memory before its next prefill (or when the native exact rows are full), so both hold the
+same conversation.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..cache.base import MemoryReport
+from ..errors import SekvError
+from ..models.tokenizer import Tokenizer
+from .base import Engine, EngineOptions
+from .torch_engine import TorchEngine
+
+# exact rows the native memory keeps free for generated tokens before it folds them back into torch
+DECODE_ROOM = 256
+
+
+class LlamaCppSekvEngine(Engine):
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: str | Path, tokenizer: Tokenizer, options: EngineOptions) -> None:
+        if options.method != "sekv":
+            raise SekvError(f"engine 'llama.cpp' runs method 'sekv' (got '{options.method}'); use "
+                            f"--engine llama.cpp-stock for stock llama.cpp or --engine torch for other methods")
+        if options.device not in ("cpu", "auto"):
+            raise SekvError("engine 'llama.cpp' runs on the CPU so far (its CUDA build is not wired in yet)")
+        from ..native.bindings import NativeModel
+        from ..native.memory_export import supported
+
+        self.reference = TorchEngine(gguf_path, tokenizer, options)
+        super().__init__(self.reference.config, tokenizer, options)
+        why = supported(self.reference.cache)
+        if why is not None:
+            raise SekvError(f"engine 'llama.cpp' does not support {why} yet; use --engine torch")
+        self.notices = self.reference.notices
+        self.native_model = NativeModel(gguf_path, options.threads or os.cpu_count() or 1)
+        self.native: Any = None  # NativeMemory, built from the torch memory when decoding starts
+        self.pending: list[int] = []  # decoded natively, not yet in the torch memory
+        self._native_peak = 0
+
+    # -- keeping the two memories in step ---------------------------------------------------------
+    def _fold_back(self) -> None:
+        """Feed the natively decoded tokens to the torch memory (one prefill chunk); the native memory
+        is rebuilt from it at the next decode."""
+        if self.pending:
+            tokens, self.pending = self.pending, []
+            self.reference.n_tokens = self.n_tokens - len(tokens)
+            self.reference._forward(tokens, prefill=True)
+        self.reference.n_tokens = self.n_tokens
+        self._drop_native()
+
+    def _drop_native(self) -> None:
+        if self.native is not None:
+            self.native.close()
+            self.native = None
+
+    def _import(self) -> None:
+        from ..native.bindings import NativeMemory
+        from ..native.memory_export import export_memory
+
+        cache = self.reference.cache
+        exported = export_memory(cache)
+        factored, raw = exported.store_counts()
+        room = min(DECODE_ROOM, cache.chunk_tokens)  # folding back the room's tokens is one torch chunk
+        memory = NativeMemory(self.native_model, exported.n_exact + room, len(exported.span_len),
+                              exported.span_rows, exported.rank, cache.zoom_k if len(exported.span_len) else 0,
+                              cache.cfg.summary_bias, factored, raw)
+        try:
+            memory.set_spans(exported.span_start, exported.span_len)
+            for i, layer in enumerate(exported.layers):
+                memory.set_exact(i, layer.exact_k, layer.exact_v)
+                memory.set_layer_spans(i, layer.sum_k, layer.sum_v, layer.keys, layer.values)
+        except SekvError:
+            memory.close()
+            raise
+        self.native = memory
+        self.native_capacity = exported.n_exact + room
+
+    # -- Engine -----------------------------------------------------------------------------------
+    def _forward(self, tokens: list[int], prefill: bool) -> np.ndarray:
+        full = self.native is not None and self.native.n_exact + 1 >= self.native_capacity
+        if prefill or len(tokens) != 1 or full:
+            if full:  # the pending tokens and this one fit one torch chunk (room <= chunk_tokens)
+                tokens, self.pending = self.pending + tokens, []
+                self._drop_native()
+            else:
+                self._fold_back()
+            self.reference.n_tokens = self.n_tokens + 1 - len(tokens) if full else self.n_tokens
+            logits = self.reference._forward(tokens, prefill=True)
+            self.reference.n_tokens = self.n_tokens + (1 if full else len(tokens))
+            return logits
+        if self.native is None:
+            self._import()
+        logits = self.native.decode(tokens[0], self.n_tokens)
+        self._record_zoom()
+        self.pending.append(tokens[0])
+        used = self.native.bytes()
+        self._native_peak = max(self._native_peak, used.device + used.compute)
+        return logits
+
+    def _record_zoom(self) -> None:
+        events = self.reference.cache._zoom_events
+        for layer in range(self.config.n_layers):
+            chosen = self.native.last_zoom(layer)
+            if chosen.size:
+                events.append((layer, torch.from_numpy(chosen.astype(np.int64))))
+
+    def finish_prefill(self) -> None:
+        self._fold_back()
+        self.reference.finish_prefill()
+
+    def reset(self) -> None:
+        self.pending = []
+        self._drop_native()
+        self.reference.reset()
+        self.n_tokens = 0
+        self._last_logits = None
+        self._native_peak = 0
+
+    def mark(self) -> Any:
+        self._fold_back()
+        return (self.n_tokens, self._last_logits, self.reference.mark())
+
+    def rollback(self, mark: Any) -> None:
+        self.pending = []
+        self._drop_native()
+        self.n_tokens, self._last_logits, ref_mark = mark
+        self.reference.rollback(ref_mark)
+
+    def memory(self) -> MemoryReport:
+        """The native memory's real buffers once decoding has started (device tier: exact rows, span
+        summaries and metadata, plus the step's compute buffer at its peak; host tier: span rows and
+        factors); before that, the torch memory that will be imported."""
+        ref = self.reference.memory()
+        if self.native is None:
+            return ref
+        b = self.native.bytes()
+        return MemoryReport(tokens=self.n_tokens, device_bytes=b.device, device_peak_bytes=max(ref.device_peak_bytes,
+                            self._native_peak), host_bytes=b.host, full_kv_bytes=self.config.full_kv_bytes(self.n_tokens))
+
+    def score(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        self.reset()
+        return self.reference.score(tokens)
+
+    def export_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        self._fold_back()
+        return self.reference.export_state()
+
+    def import_state(self, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+        self.reset()
+        self.reference.import_state(tensors, meta)
+        self.n_tokens = self.reference.n_tokens
+        self._last_logits = self.reference._last_logits
+
+    def reserve(self, n_tokens: int) -> None:
+        self.reference.reserve(n_tokens)
+
+    def reset_observations(self) -> None:
+        self.reference.reset_observations()
+
+    def room_tokens(self) -> int | None:
+        return self.reference.room_tokens()
+
+    def host_bytes_needed(self, n_tokens: int) -> int:
+        return 2 * self.reference.host_bytes_needed(n_tokens)  # the torch memory and its native copy
+
+    def chunk_size(self) -> int:
+        return self.reference.chunk_size()
+
+    def max_context(self) -> int:
+        return self.reference.max_context()
+
+    def observations(self) -> dict[str, Any]:
+        return self.reference.observations()

@@ -1,0 +1,1 @@
+"""The native engine: build of llama.cpp + native/src, its ctypes bindings, and the memory export."""

@@ -1,0 +1,189 @@
+"""ctypes bindings of native/src/sekv_native.h (the library keeps llama.cpp private: it can share a
+process with a stock llama-cpp-python)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import SekvError
+from .build import library_path
+
+_c_int, _c_float, _p = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class ModelInfo(ctypes.Structure):
+    _fields_ = [(name, _c_int) for name in
+                ("n_layer", "n_head", "n_head_kv", "head_dim", "n_embd", "n_vocab", "n_ctx_train")]
+
+
+class MemoryParams(ctypes.Structure):
+    _fields_ = [("exact_capacity", _c_int), ("n_spans", _c_int), ("span_rows", _c_int), ("rank", _c_int),
+                ("zoom_k", _c_int), ("summary_bias", _c_float), ("n_factored", _p), ("n_raw", _p)]
+
+
+class SpanRows(ctypes.Structure):
+    _fields_ = [("is_raw", _p), ("u", _p), ("w", _p), ("raw", _p)]
+
+
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "sekv_last_error": (ctypes.c_char_p, []),
+    "sekv_model_load": (_p, [ctypes.c_char_p, _c_int]),
+    "sekv_model_free": (None, [_p]),
+    "sekv_model_get_info": (None, [_p, ctypes.POINTER(ModelInfo)]),
+    "sekv_memory_create": (_p, [_p, ctypes.POINTER(MemoryParams)]),
+    "sekv_memory_free": (None, [_p]),
+    "sekv_memory_set_exact": (ctypes.c_int, [_p, _c_int, _c_int, _p, _p]),
+    "sekv_memory_set_spans": (ctypes.c_int, [_p, _p, _p]),
+    "sekv_memory_set_layer_spans": (ctypes.c_int, [_p, _c_int, _p, _p, ctypes.POINTER(SpanRows),
+                                                   ctypes.POINTER(SpanRows)]),
+    "sekv_decode": (ctypes.c_int, [_p, _c_int, _c_int, _p]),
+    "sekv_memory_n_exact": (_c_int, [_p]),
+    "sekv_memory_bytes": (ctypes.c_int, [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                                         ctypes.POINTER(ctypes.c_uint64)]),
+    "sekv_memory_last_zoom": (_c_int, [_p, _c_int, _p]),
+}
+
+_LIB: ctypes.CDLL | None = None
+
+
+def load_library(path: Path | None = None) -> ctypes.CDLL:
+    """The native library (built on first use when needed), loaded once per process."""
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(str(path or library_path()), mode=ctypes.RTLD_LOCAL)
+        for name, (res, args) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        _LIB = lib
+    return _LIB
+
+
+def _check(lib: ctypes.CDLL, status: int, what: str) -> None:
+    if status != 0:
+        raise SekvError(f"native engine: {what}: {lib.sekv_last_error().decode(errors='replace')}")
+
+
+def _half(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float16)
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+class NativeModel:
+    """A GGUF model loaded by llama.cpp inside the native library."""
+
+    def __init__(self, gguf_path: str | Path, threads: int) -> None:
+        self.lib = load_library()
+        self.handle = self.lib.sekv_model_load(str(gguf_path).encode(), int(threads))
+        if not self.handle:
+            raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")
+        info = ModelInfo()
+        self.lib.sekv_model_get_info(self.handle, ctypes.byref(info))
+        self.info = info
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.sekv_model_free(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass
+class StoreRows:
+    """One layer's keys or values of every span: is_raw [S]; u [F, KV, l, R]; w [F, KV, D, R];
+    raw [n_raw, KV, l, D] (keys) or [n_raw, KV, D, l] (values)."""
+
+    is_raw: np.ndarray
+    u: np.ndarray
+    w: np.ndarray
+    raw: np.ndarray
+
+    def as_struct(self) -> tuple[SpanRows, list[np.ndarray]]:
+        arrays = [np.ascontiguousarray(self.is_raw, dtype=np.int32), _half(self.u), _half(self.w), _half(self.raw)]
+        return SpanRows(*(_ptr(a) for a in arrays)), arrays
+
+
+@dataclass(frozen=True)
+class NativeBytes:
+    device: int
+    host: int
+    compute: int
+
+
+class NativeMemory:
+    """One document's SeKV memory in native buffers; see sekv_native.h for the layouts."""
+
+    def __init__(self, model: NativeModel, exact_capacity: int, n_spans: int, span_rows: int, rank: int,
+                 zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray) -> None:
+        """n_factored, n_raw [n_layer, 2]: spans each layer stores as factors / raw, keys then values."""
+        self.model = model
+        self.lib = model.lib
+        counts = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in (n_factored, n_raw)]
+        if any(c.size != 2 * model.info.n_layer for c in counts):
+            raise SekvError("native engine: n_factored / n_raw need one count per layer for keys and values")
+        params = MemoryParams(exact_capacity, n_spans, span_rows, rank, zoom_k, summary_bias,
+                              _ptr(counts[0]), _ptr(counts[1]))
+        self.handle = self.lib.sekv_memory_create(model.handle, ctypes.byref(params))
+        if not self.handle:
+            raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")
+        self.n_spans = n_spans
+        self._logits = np.empty(model.info.n_vocab, dtype=np.float32)
+
+    def set_exact(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v [KV, n, D] (k post-RoPE)."""
+        k, v = _half(k), _half(v)
+        _check(self.lib, self.lib.sekv_memory_set_exact(self.handle, layer, k.shape[1], _ptr(k), _ptr(v)),
+               "set_exact")
+
+    def set_spans(self, start: np.ndarray, length: np.ndarray) -> None:
+        start = np.ascontiguousarray(start, dtype=np.int32)
+        length = np.ascontiguousarray(length, dtype=np.int32)
+        _check(self.lib, self.lib.sekv_memory_set_spans(self.handle, _ptr(start), _ptr(length)), "set_spans")
+
+    def set_layer_spans(self, layer: int, sum_k: np.ndarray, sum_v: np.ndarray, keys: "StoreRows",
+                        values: "StoreRows") -> None:
+        sum_k, sum_v = _half(sum_k), _half(sum_v)
+        k_struct, k_keep = keys.as_struct()
+        v_struct, v_keep = values.as_struct()
+        status = self.lib.sekv_memory_set_layer_spans(self.handle, layer, _ptr(sum_k), _ptr(sum_v),
+                                                      ctypes.byref(k_struct), ctypes.byref(v_struct))
+        del k_keep, v_keep
+        _check(self.lib, status, "set_layer_spans")
+
+    def decode(self, token: int, position: int) -> np.ndarray:
+        """Logits [vocab] after `token` at `position` (a copy)."""
+        _check(self.lib, self.lib.sekv_decode(self.handle, int(token), int(position), _ptr(self._logits)), "decode")
+        return self._logits.copy()
+
+    @property
+    def n_exact(self) -> int:
+        return int(self.lib.sekv_memory_n_exact(self.handle))
+
+    def bytes(self) -> NativeBytes:
+        d, h, c = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        self.lib.sekv_memory_bytes(self.handle, ctypes.byref(d), ctypes.byref(h), ctypes.byref(c))
+        return NativeBytes(d.value, h.value, c.value)
+
+    def last_zoom(self, layer: int) -> np.ndarray:
+        """Spans rebuilt by `layer` in the last step, int32 [KV, k] (k = 0 when none)."""
+        KV = self.model.info.n_head_kv
+        out = np.empty(KV * max(self.n_spans, 1), dtype=np.int32)
+        k = self.lib.sekv_memory_last_zoom(self.handle, layer, _ptr(out))
+        return out[: KV * max(k, 0)].reshape(KV, max(k, 0))
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.sekv_memory_free(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.close()

@@ -1,0 +1,134 @@
+"""The torch engine's SeKV memory in the native layout (sekv_native.h), as numpy arrays.
+
+Spans are ragged in the torch FactorStore (per span: rank r, or stored raw when factors would not be
+smaller); the native graph needs fixed shapes, so a layer's factored spans become U [l, R] and W^T [D, R]
+zero-padded to the longest span l and the largest stored rank R, and its raw spans their rows [l, D] (keys rotated at their own positions: no RoPE at decode time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..errors import SekvError
+from .bindings import StoreRows
+from ..sekv.factors import FactorStore
+from ..sekv.policy import SekvCache
+
+
+@dataclass
+class LayerExport:
+    exact_k: np.ndarray  # [KV, n, D] post-RoPE
+    exact_v: np.ndarray
+    sum_k: np.ndarray  # [KV, S, D] post-RoPE at the span centre
+    sum_v: np.ndarray
+    keys: StoreRows
+    values: StoreRows
+
+
+@dataclass
+class MemoryExport:
+    span_start: np.ndarray  # int32 [S]
+    span_len: np.ndarray  # int32 [S]
+    span_rows: int  # l
+    rank: int  # R
+    layers: list[LayerExport]
+
+    @property
+    def n_exact(self) -> int:
+        return int(self.layers[0].exact_k.shape[1])
+
+    def store_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Factored and raw spans per layer, keys then values: two int32 [n_layer, 2]."""
+        raw = np.array([[int(l.keys.is_raw.sum()), int(l.values.is_raw.sum())] for l in self.layers], dtype=np.int32)
+        return len(self.span_len) - raw, raw
+
+
+def supported(cache: SekvCache) -> str | None:
+    """Why the native engine cannot run this memory (None: it can)."""
+    if cache.cfg.share_layers != 1:
+        return "span factors shared across layers (sekv+xkv)"
+    if cache.router_kind != "attention":
+        return f"the '{cache.router_kind}' router (the native graph routes with the training-free 'attention' rule)"
+    if cache.cfg.positions != "original" or cache._shift:
+        return "the 'bounded' position strategy"
+    if cache.cfg.dtype != "f16":
+        return f"dtype {cache.cfg.dtype} (the native memory is f16)"
+    return None
+
+
+def _gather(data: torch.Tensor, length: int, index: torch.Tensor) -> torch.Tensor:
+    """data[index] where valid; any value where masked later (an empty store has nothing to read)."""
+    if length == 0:
+        return torch.zeros(index.shape, dtype=data.dtype)
+    return data[index.clamp(0, length - 1)]
+
+
+def store_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, rows: int, rank: int, values: bool,
+               rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> StoreRows:
+    """A store's spans in the native layout (float16, zero padded; values' raw rows transposed).
+    rotate(x [n, KV, l, D], positions [n, l]): RoPE for raw keys, which the native graph reads as they
+    are (factored keys are rotated there, after U W)."""
+    S, KV, D = store.n_spans, store.n_kv, store.head_dim
+    r = store.rank.view()[:S]
+    raw = store.raw.view()[:S]
+    L = lengths[:S].cpu()
+    h = torch.arange(KV)[None, :, None, None]
+    t = torch.arange(rows)
+    fac = (~raw).nonzero().flatten()
+    R = rank
+    j = torch.arange(R)
+    # factored: W rows j < r at w[w_off + (h r + j) D + d]; U rows t < L, cols j < r at u[u_off + (h L + t) r + j]
+    rf, Lf = r[fac][:, None, None, None], L[fac][:, None, None, None]
+    w_idx = store.w_off.view()[fac][:, None, None, None] + (h * rf + j[None, None, :, None]) * D \
+        + torch.arange(D)[None, None, None, :]
+    w = torch.where(j[None, None, :, None] < rf, _gather(store.w.data, store.w.length, w_idx), 0)  # [F, KV, R, D]
+    u_idx = store.u_off.view()[fac][:, None, None, None] + (h * Lf + t[None, None, :, None]) * rf \
+        + j[None, None, None, :]
+    u_ok = (t[None, None, :, None] < Lf) & (j[None, None, None, :] < rf)
+    u = torch.where(u_ok, _gather(store.u.data, store.u.length, u_idx), 0)  # [F, KV, l, R]
+    # raw: the span's rows [KV, L, D] at w_off
+    raw_ids = raw.nonzero().flatten()
+    Lr = L[raw_ids][:, None, None, None]
+    x_idx = store.w_off.view()[raw_ids][:, None, None, None] + (h * Lr + t[None, None, :, None]) * D \
+        + torch.arange(D)[None, None, None, :]
+    x = torch.where(t[None, None, :, None] < Lr, _gather(store.w.data, store.w.length, x_idx), 0)  # [n_raw, KV, l, D]
+    if rotate is not None:
+        x = rotate(x.float(), starts[raw_ids][:, None] + t[None, :])
+    if values:
+        x = x.transpose(-1, -2)
+    half = torch.float16
+    return StoreRows(raw.to(torch.int32).numpy(), u.to(half).numpy(), w.transpose(-1, -2).to(half).contiguous().numpy(),
+                     x.to(half).contiguous().numpy())
+
+
+def export_memory(cache: SekvCache) -> MemoryExport:
+    why = supported(cache)
+    if why is not None:
+        raise SekvError(f"the native engine does not support {why} yet; use --engine torch")
+    S = cache.span_len.length
+    lengths = cache.span_len.view().cpu()
+    rows = int(lengths.max()) if S else 1
+    stores = [store for layer in cache.layers for store in (layer.fac_k, layer.fac_v)]
+    factored = [store.rank.view()[~store.raw.view()] for store in stores]
+    rank = max([1] + [int(f.max()) for f in factored if f.numel()])
+    starts = cache.span_pos.view().cpu()
+
+    def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = cache.rope.cos_sin(positions.reshape(-1))
+        shape = (positions.shape[0], 1, positions.shape[1], cos.shape[-1])
+        return cache.rope.apply(x, positions, (cos.view(shape), sin.view(shape)))
+
+    out = []
+    for layer in cache.layers:
+        exact_k = torch.cat([layer.exact_k.view(), layer.pend_k.view()], dim=1)
+        exact_v = torch.cat([layer.exact_v.view(), layer.pend_v.view()], dim=1)
+        out.append(LayerExport(exact_k.cpu().half().numpy(), exact_v.cpu().half().numpy(),
+                               layer.sum_k.view().cpu().half().numpy(), layer.sum_v.view().cpu().half().numpy(),
+                               store_rows(layer.fac_k, lengths, starts, rows, rank, values=False, rotate=rotate),
+                               store_rows(layer.fac_v, lengths, starts, rows, rank, values=True)))
+    return MemoryExport(cache.span_pos.view().cpu().numpy().astype(np.int32), lengths.numpy().astype(np.int32),
+                        rows, rank, out)
