@@ -408,6 +408,39 @@ def convert_inspect(file: Path) -> None:
         click.echo(line)
 
 
+@cli.command()
+@click.option("--runs", default="llama.cpp-stock:full,llama.cpp:sekv", show_default=True,
+              help="Comma-separated ENGINE:METHOD pairs; ratios are against the first.")
+@click.option("--context", "context_", default="7700", show_default=True, help="Document tokens read first (4k = 4096).")
+@click.option("--new-tokens", type=click.IntRange(2, 4096), default=64, show_default=True,
+              help="Tokens decoded after the document (no stop token).")
+@click.option("--budget", callback=_parse_budget, default="0.25", show_default=True,
+              help="Device budget of compressing methods: a fraction of full KV or a size (64MiB).")
+@click.option("--repeats", type=click.IntRange(1, 100), default=3, show_default=True)
+@click.option("-m", "--model", default=registry.DEFAULT_MODEL, show_default=True)
+@click.option("--threads", type=click.IntRange(1, 256), default=2, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/speed"),
+              show_default=True, help="Folder for results.json and summary.md.")
+def speed(runs: str, context_: str, new_tokens: int, budget: float | int | None, repeats: int, model: str,
+          threads: int, out: Path) -> None:
+    """Prefill and decode tokens/s of engine/method pairs on one long document, side by side."""
+    from .eval import speed as speed_mod
+    from .eval.tasks import parse_length
+
+    plan = [speed_mod.SpeedRun.parse(r) for r in runs.split(",") if r.strip()]
+    try:
+        n = parse_length(context_)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--context") from None
+    results = speed_mod.measure(plan, model, n, new_tokens, budget, threads, repeats,
+                                progress=lambda line: click.echo(line, err=True))
+    command = "sekv-local speed " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "sekv-local speed"
+    path = speed_mod.write(results, out, command, {"runs": runs, "context": n, "new_tokens": new_tokens,
+                                                   "budget": budget, "repeats": repeats, "threads": threads,
+                                                   "model": model})
+    click.echo(path.read_text())
+
+
 @cli.group()
 def native() -> None:
     """Build and locate the native (llama.cpp) engine library."""

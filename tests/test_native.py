@@ -62,8 +62,8 @@ def test_only_the_sekv_api_leaves_the_library(library) -> None:
     assert llama_cpp.llama_max_devices() >= 1
 
 
-def native_memory(model: NativeModel, engine: TorchEngine, room: int = 64) -> NativeMemory:
-    exported = export_memory(engine.cache)
+def native_memory(model: NativeModel, engine: TorchEngine, room: int = 64, decompress: bool = False) -> NativeMemory:
+    exported = export_memory(engine.cache, decompress=decompress)
     factored, raw = exported.store_counts()
     memory = NativeMemory(model, exported.n_exact + room, len(exported.span_len), exported.span_rows, exported.rank,
                           engine.cache.zoom_k, engine.cache.cfg.summary_bias, factored, raw)
@@ -74,7 +74,7 @@ def native_memory(model: NativeModel, engine: TorchEngine, room: int = 64) -> Na
     return memory
 
 
-def decode_side_by_side(gguf, tokenizer, library, options=None) -> list[dict]:
+def decode_side_by_side(gguf, tokenizer, library, options=None, decompress: bool = False) -> list[dict]:
     """Torch SeKV memory of a 2K-token needle document + question, imported natively; STEPS greedy
     steps decoded by both engines on the same tokens. Per step: KL(torch || native), max |dlogit|,
     both argmaxes, and the share of torch's (layer, KV head, span) zoom choices the native graph made."""
@@ -90,7 +90,7 @@ def decode_side_by_side(gguf, tokenizer, library, options=None) -> list[dict]:
     engine.feed(question)
     assert engine.cache.span_len.length > engine.cache.zoom_k > 0  # some spans zoomed, some not
     model = NativeModel(gguf, 2)
-    memory = native_memory(model, engine)
+    memory = native_memory(model, engine, decompress=decompress)
     logits, steps = engine._last_logits, []
     spans = engine.cache.span_len.length
     for _ in range(STEPS):
@@ -140,6 +140,16 @@ def test_parity_with_torch_on_the_default_model(model_path, tokenizer, library) 
 def test_parity_with_factored_spans(f32_model, tokenizer, library) -> None:
     """Low-rank spans (energy 0.9): rows rebuilt as U W and rotated inside the graph."""
     steps = decode_side_by_side(f32_model, tokenizer, library, {"energy": 0.9})
+    for s in steps:
+        assert s["argmax"][0] == s["argmax"][1]
+        assert s["kl"] < 1e-4
+    assert np.mean([s["zoom_agreement"] for s in steps]) >= 0.99
+
+
+@pytest.mark.slow
+def test_parity_with_rows_rebuilt_at_import(f32_model, tokenizer, library) -> None:
+    """The engine's default host form: every span rebuilt to rows once (energy 0.9: low-rank spans too)."""
+    steps = decode_side_by_side(f32_model, tokenizer, library, {"energy": 0.9}, decompress=True)
     for s in steps:
         assert s["argmax"][0] == s["argmax"][1]
         assert s["kl"] < 1e-4

@@ -25,20 +25,21 @@ struct step_builder {
                              m->rope_scale, 0.0f, 1.0f, m->beta_fast, m->beta_slow);
     }
 
-    // a [N, G, KV] slice [from, from + n) along dim 0, made contiguous for mul_mat
+    // a [N, G, KV] slice [from, from + n) along dim 0 (mul_mat reads strided rows of its second operand)
     ggml_tensor * rows(ggml_tensor * a, int64_t from, int64_t n) const {
-        return ggml_cont(ctx, ggml_view_3d(ctx, a, n, a->ne[1], a->ne[2], a->nb[1], a->nb[2], from * a->nb[0]));
+        return ggml_view_3d(ctx, a, n, a->ne[1], a->ne[2], a->nb[1], a->nb[2], from * a->nb[0]);
     }
 
-    // element-wise max over dim 1 (the query heads of a KV group): [S, G, KV] -> [S, KV]
+    // max over dim 1 (the query heads of a KV group): [S, G, KV] -> [S, KV]
     ggml_tensor * max_over_group(ggml_tensor * a) const {
-        ggml_tensor * best = ggml_cont(ctx, ggml_view_3d(ctx, a, a->ne[0], 1, a->ne[2], a->nb[1], a->nb[2], 0));
-        for (int64_t g = 1; g < a->ne[1]; ++g) {
-            ggml_tensor * x = ggml_cont(ctx, ggml_view_3d(ctx, a, a->ne[0], 1, a->ne[2], a->nb[1], a->nb[2], g * a->nb[1]));
-            // max(a, b) = (a + b + |a - b|) / 2
-            best = ggml_scale(ctx, ggml_add(ctx, ggml_add(ctx, best, x), ggml_abs(ctx, ggml_sub(ctx, best, x))), 0.5f);
-        }
+        ggml_tensor * best = ggml_pool_2d(ctx, a, GGML_OP_POOL_MAX, 1, (int) a->ne[1], 1, (int) a->ne[1], 0, 0);
         return ggml_reshape_2d(ctx, best, a->ne[0], a->ne[2]);
+    }
+
+    // slots of the chosen spans in a table whose KV heads are stacked: i32 [k, G * KV], one row per query head
+    ggml_tensor * head_slots(ggml_tensor * table, ggml_tensor * chosen, int64_t k) const {
+        ggml_tensor * slots = ggml_reshape_3d(ctx, ggml_get_rows(ctx, table, chosen), k, 1, KV);
+        return ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, slots, k, G, KV, 1), k, G * KV);
     }
 
     // attention of one query token q [D, G, KV] over the layer's memory -> [D * H, 1]
@@ -51,48 +52,49 @@ struct step_builder {
 
         ggml_tensor * ek = ggml_view_3d(ctx, t.ek, D, n_rows, KV, t.ek->nb[1], t.ek->nb[2], 0);
         ggml_tensor * evt = ggml_view_3d(ctx, t.evt, n_rows, D, KV, t.evt->nb[1], t.evt->nb[2], 0);
-        ggml_tensor * scores = ggml_scale(ctx, ggml_mul_mat(ctx, ek, q), scale);  // [n_rows, G, KV]
-        ggml_tensor * zv = nullptr;
+        q = ggml_scale(ctx, q, scale);  // every score below is a scaled logit
+        ggml_tensor * scores = ggml_mul_mat(ctx, ek, q);  // [n_rows, G, KV]
+        ggml_tensor * zv_fact = nullptr, * v_slots = nullptr;
         if (S > 0) {
-            ggml_tensor * coarse = ggml_scale(ctx, ggml_mul_mat(ctx, t.sk, q), scale);  // [S, G, KV]
+            ggml_tensor * coarse = ggml_mul_mat(ctx, t.sk, q);  // [S, G, KV]
             ggml_tensor * coarse_bias = ggml_repeat_4d(ctx, mem->coarse_bias, 1, S, KV, 1);
             if (k > 0) {
                 ggml_tensor * route = max_over_group(ggml_add(ctx, coarse, mem->route_bias));  // [S, KV]
                 ggml_tensor * chosen = ggml_top_k(ctx, route, (int) k);  // i32 [k, KV]
                 ggml_set_output(chosen);
                 *zoom_out = chosen;
-                // rebuild the chosen spans per (span, KV head): rows = U W for factored spans, the stored
-                // rows for raw ones; each span reads the other table's zero slot, so the sum is its rows
-                ggml_tensor * zk = nullptr, * zvt = nullptr;  // [D, l, k*KV], [l, D, k*KV]
-                if (t.n_factored[0] > 0) {  // pre-RoPE factors: rotate the rebuilt rows
+                // Zoomed rows: a factored span's rows are rebuilt (U W, then RoPE at their own positions);
+                // a raw span's rows are read where they lie (mul_mat_id picks each head's spans from the
+                // table). A span is in one table and reads the other's zero slot: the terms add up.
+                ggml_tensor * zscores = nullptr;  // [l*k, G, KV]
+                if (t.n_factored[0] > 0) {
                     ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.k_fslot, chosen), k, KV);
                     ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uk, f), R, l, k * KV);
                     ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wk, f), R, D, k * KV);
                     ggml_tensor * zpos = ggml_reshape_1d(ctx, ggml_get_rows(ctx, mem->row_pos, chosen), l * k * KV);
-                    zk = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w, u), D, 1, l * k * KV);
-                    zk = ggml_reshape_3d(ctx, rope(zk, zpos, m->model->layers[il].rope_freqs), D, l, k * KV);
+                    ggml_tensor * zk = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w, u), D, 1, l * k * KV);
+                    zk = ggml_reshape_3d(ctx, rope(zk, zpos, m->model->layers[il].rope_freqs), D, l * k, KV);
+                    zscores = ggml_mul_mat(ctx, zk, q);
                 }
-                if (t.n_raw[0] > 0) {  // raw keys are stored rotated at their own positions
-                    ggml_tensor * r = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.k_rslot, chosen), k, KV);
-                    ggml_tensor * rows = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.rk, r), D, l, k * KV);
-                    zk = zk != nullptr ? ggml_add(ctx, zk, rows) : rows;
+                if (t.n_raw[0] > 0) {  // raw keys are stored rotated: [D, l, slots * KV] x q -> [l, k, H]
+                    ggml_tensor * table = ggml_reshape_3d(ctx, t.rk, D, l, t.rk->ne[1] * KV);
+                    ggml_tensor * s = ggml_mul_mat_id(ctx, table, ggml_reshape_3d(ctx, q, D, 1, G * KV),
+                                                      head_slots(t.k_rslot, chosen, k));
+                    s = ggml_reshape_3d(ctx, s, l * k, G, KV);
+                    zscores = zscores != nullptr ? ggml_add(ctx, zscores, s) : s;
                 }
                 if (t.n_factored[1] > 0) {
                     ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.v_fslot, chosen), k, KV);
                     ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uv, f), R, l, k * KV);
                     ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wv, f), R, D, k * KV);
-                    zvt = ggml_mul_mat(ctx, u, w);
+                    zv_fact = ggml_mul_mat(ctx, u, w);  // [l, D, k*KV]
                 }
                 if (t.n_raw[1] > 0) {
-                    ggml_tensor * r = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.v_rslot, chosen), k, KV);
-                    ggml_tensor * rows = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.rvt, r), l, D, k * KV);
-                    zvt = zvt != nullptr ? ggml_add(ctx, zvt, rows) : rows;
+                    v_slots = head_slots(t.v_rslot, chosen, k);
                 }
-                zk = ggml_reshape_3d(ctx, zk, D, l * k, KV);
-                zv = zvt;  // [l, D, k*KV]: each span's values on their own (see the output below)
                 ggml_tensor * zmask = ggml_reshape_3d(ctx, ggml_get_rows(ctx, mem->row_mask, chosen), l * k, 1, KV);
-                ggml_tensor * zscores = ggml_add(ctx, ggml_scale(ctx, ggml_mul_mat(ctx, zk, q), scale), zmask);
-                // a zoomed span is represented by its rebuilt rows only: its summary row leaves the softmax
+                zscores = ggml_add(ctx, zscores, zmask);
+                // a zoomed span is represented by its rows only: its summary row leaves the softmax
                 ggml_tensor * ninf = ggml_view_3d(ctx, mem->neg_inf, 1, k, KV, mem->neg_inf->nb[1], mem->neg_inf->nb[2], 0);
                 coarse_bias = ggml_set_rows(ctx, coarse_bias, ninf, chosen);
                 coarse = ggml_add(ctx, coarse, ggml_reshape_3d(ctx, coarse_bias, S, 1, KV));
@@ -106,16 +108,26 @@ struct step_builder {
         ggml_tensor * out = ggml_mul_mat(ctx, evt, rows(probs, 0, n_rows));  // [D, G, KV]
         if (S > 0) {
             out = ggml_add(ctx, out, ggml_mul_mat(ctx, t.svt, rows(probs, n_rows, S)));
-            if (zv != nullptr) {
-                // per (span, KV head): [l, D] x [l, G] -> [D, G]; then the sum over the k spans
-                const int64_t G = q->ne[1];
-                ggml_tensor * pz = ggml_view_4d(ctx, probs, l, k, G, KV, l * probs->nb[0], probs->nb[1], probs->nb[2],
-                                                (n_rows + S) * probs->nb[0]);
-                pz = ggml_cont(ctx, ggml_permute(ctx, pz, 0, 2, 1, 3));  // [l, G, k, KV]
-                ggml_tensor * per_span = ggml_mul_mat(ctx, zv, ggml_reshape_3d(ctx, pz, l, G, k * KV));  // [D, G, k*KV]
-                per_span = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, per_span, D * G, k, KV), 1, 0, 2, 3));
-                out = ggml_add(ctx, out, ggml_reshape_3d(ctx, ggml_sum_rows(ctx, per_span), D, G, KV));
+        }
+        if (zv_fact != nullptr || v_slots != nullptr) {
+            // the zoomed rows' probabilities per (span, head): [l, k, G * KV]
+            ggml_tensor * pz = ggml_view_3d(ctx, probs, l, k, G * KV, l * probs->nb[0], probs->nb[1],
+                                            (n_rows + S) * probs->nb[0]);
+            ggml_tensor * per_span = nullptr;  // [D, k, G * KV]: each span's share of each head's output
+            if (zv_fact != nullptr) {  // [l, D] x [l, G] per (span, KV head)
+                ggml_tensor * pf = ggml_view_4d(ctx, pz, l, G, k, KV, pz->nb[2], pz->nb[1], G * pz->nb[2], 0);  // [l, G, k, KV]
+                pf = ggml_cont(ctx, pf);
+                ggml_tensor * o = ggml_mul_mat(ctx, zv_fact, ggml_reshape_3d(ctx, pf, l, G, k * KV));  // [D, G, k*KV]
+                per_span = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, o, D, G, k, KV), 0, 2, 1, 3));
+                per_span = ggml_reshape_3d(ctx, per_span, D, k, G * KV);
             }
+            if (v_slots != nullptr) {  // values stored transposed: [l, D, slots * KV]
+                ggml_tensor * table = ggml_reshape_3d(ctx, t.rvt, l, D, t.rvt->ne[1] * KV);
+                ggml_tensor * o = ggml_mul_mat_id(ctx, table, pz, v_slots);  // [D, k, G * KV]
+                per_span = per_span != nullptr ? ggml_add(ctx, per_span, o) : o;
+            }
+            per_span = ggml_cont(ctx, ggml_permute(ctx, per_span, 1, 0, 2, 3));  // [k, D, G * KV]
+            out = ggml_add(ctx, out, ggml_reshape_3d(ctx, ggml_sum_rows(ctx, per_span), D, G, KV));
         }
         return ggml_reshape_2d(ctx, out, D * H, 1);
     }

@@ -205,7 +205,8 @@ static bool set_store(sekv_memory * mem, const sekv_span_rows & rows, ggml_tenso
         }
         for (int64_t h = 0; h < KV; ++h) {
             f[(size_t) (h * S + s)] = is_raw ? F : nf;  // F, W: the zero slots
-            r[(size_t) (h * S + s)] = is_raw ? nr : W;
+            // raw rows are read by mul_mat_id from the table with its KV heads stacked: global slot
+            r[(size_t) (h * S + s)] = (is_raw ? nr : W) + (int32_t) h * (W + 1);
         }
         (is_raw ? nr : nf) += 1;
     }

@@ -9,6 +9,7 @@ same conversation.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ from .torch_engine import TorchEngine
 
 # exact rows the native memory keeps free for generated tokens before it folds them back into torch
 DECODE_ROOM = 256
+# where span detail lives in the native host tier: "rows" (rebuilt from the factors once, at import: each
+# step reads only the zoomed rows) or "factors" (the SVD factors; each step rebuilds the zoomed spans).
+# On a CPU the per-step rebuild dominates decode time (measured: docs/RESULTS.md), so "rows" is the default.
+HOST_FORMS = ("rows", "factors")
 
 
 class LlamaCppSekvEngine(Engine):
@@ -38,6 +43,11 @@ class LlamaCppSekvEngine(Engine):
         from ..native.bindings import NativeModel
         from ..native.memory_export import supported
 
+        method_options = dict(options.method_options)
+        self.host_form = method_options.pop("host", "rows")
+        if self.host_form not in HOST_FORMS:
+            raise SekvError(f"engine 'llama.cpp': host must be one of {', '.join(HOST_FORMS)}, got {self.host_form!r}")
+        options = dataclasses.replace(options, method_options=method_options)
         self.reference = TorchEngine(gguf_path, tokenizer, options)
         super().__init__(self.reference.config, tokenizer, options)
         why = supported(self.reference.cache)
@@ -70,7 +80,7 @@ class LlamaCppSekvEngine(Engine):
         from ..native.memory_export import export_memory
 
         cache = self.reference.cache
-        exported = export_memory(cache)
+        exported = export_memory(cache, decompress=self.host_form == "rows")
         factored, raw = exported.store_counts()
         room = min(DECODE_ROOM, cache.chunk_tokens)  # folding back the room's tokens is one torch chunk
         memory = NativeMemory(self.native_model, exported.n_exact + room, len(exported.span_len),

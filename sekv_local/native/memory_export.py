@@ -67,6 +67,21 @@ def _gather(data: torch.Tensor, length: int, index: torch.Tensor) -> torch.Tenso
     return data[index.clamp(0, length - 1)]
 
 
+def decompressed_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, rows: int, values: bool,
+                      rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> StoreRows:
+    """Every span as raw rows [S, KV, l, D] rebuilt from its factors once (keys rotated; values transposed)."""
+    S, KV = store.n_spans, store.n_kv
+    heads = torch.arange(KV).repeat(S)
+    spans = torch.arange(S).repeat_interleave(KV)
+    x = store.rebuild(heads, spans, lengths, rows).view(S, KV, rows, -1)
+    if rotate is not None:
+        x = rotate(x, starts[:S, None] + torch.arange(rows)[None, :])
+    if values:
+        x = x.transpose(-1, -2)
+    empty = np.zeros((0,), dtype=np.float16)
+    return StoreRows(np.ones(S, dtype=np.int32), empty, empty, x.to(torch.float16).contiguous().numpy())
+
+
 def store_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, rows: int, rank: int, values: bool,
                rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> StoreRows:
     """A store's spans in the native layout (float16, zero padded; values' raw rows transposed).
@@ -105,7 +120,9 @@ def store_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, 
                      x.to(half).contiguous().numpy())
 
 
-def export_memory(cache: SekvCache) -> MemoryExport:
+def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
+    """decompress: hand the native memory every span as rows, rebuilt once here, instead of factors it
+    rebuilds at every step (the host tier then holds about the full KV; the device tier is unchanged)."""
     why = supported(cache)
     if why is not None:
         raise SekvError(f"the native engine does not support {why} yet; use --engine torch")
@@ -126,9 +143,14 @@ def export_memory(cache: SekvCache) -> MemoryExport:
     for layer in cache.layers:
         exact_k = torch.cat([layer.exact_k.view(), layer.pend_k.view()], dim=1)
         exact_v = torch.cat([layer.exact_v.view(), layer.pend_v.view()], dim=1)
+        if decompress:
+            keys = decompressed_rows(layer.fac_k, lengths, starts, rows, values=False, rotate=rotate)
+            values = decompressed_rows(layer.fac_v, lengths, starts, rows, values=True)
+        else:
+            keys = store_rows(layer.fac_k, lengths, starts, rows, rank, values=False, rotate=rotate)
+            values = store_rows(layer.fac_v, lengths, starts, rows, rank, values=True)
         out.append(LayerExport(exact_k.cpu().half().numpy(), exact_v.cpu().half().numpy(),
                                layer.sum_k.view().cpu().half().numpy(), layer.sum_v.view().cpu().half().numpy(),
-                               store_rows(layer.fac_k, lengths, starts, rows, rank, values=False, rotate=rotate),
-                               store_rows(layer.fac_v, lengths, starts, rows, rank, values=True)))
+                               keys, values))
     return MemoryExport(cache.span_pos.view().cpu().numpy().astype(np.int32), lengths.numpy().astype(np.int32),
                         rows, rank, out)
