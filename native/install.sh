@@ -42,6 +42,11 @@ if ! "$py" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.__version__ == '$L
   pip install "$wheel_dir"/llama_cpp_python-*.whl
 fi
 
+if ! command -v cmake >/dev/null 2>&1 && [[ ! -x "$venv/bin/cmake" ]]; then
+  echo "[install] cmake and ninja (to build the native engine)"
+  pip install cmake ninja
+fi
+
 echo "[install] sekv-local $extras"
 (cd "$here" && pip install -e "$extras")
 echo "[install] done: $venv/bin/sekv-local"

@@ -214,3 +214,48 @@ def test_llama_cpp_engine_refuses_other_methods(model_path, tokenizer) -> None:
 def test_library_is_not_loaded_twice(library) -> None:
     assert load_library(library) is load_library()
     assert isinstance(load_library(), ctypes.CDLL)
+
+
+def run_cli(*args: str, timeout: int = 900):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "sekv_local", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+@pytest.mark.slow
+def test_ask_with_the_llama_cpp_engine(tmp_path, library, model_path) -> None:
+    import json
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper of Port Alder is Maren Holt. The harbour has forty boats.\n" * 40)
+    proc = run_cli("ask", str(doc), "Who is the lighthouse keeper of Port Alder?", "--json", "--engine", "llama.cpp",
+                   "--method", "sekv", "--budget", "0.5", "--threads", "2", "--max-new-tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["engine"] == "llama.cpp" and "Maren" in out["answer"]
+    assert 0 < out["memory"]["device_peak_bytes"] <= 0.5 * out["memory"]["full_kv_bytes"]
+    bad = run_cli("ask", str(doc), "Who?", "--engine", "llama.cpp", "--method", "h2o", "--budget", "0.5")
+    assert bad.returncode == 2 and "runs method 'sekv'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_speed_command_writes_side_by_side_numbers(tmp_path, library, model_path) -> None:
+    import json
+
+    out = tmp_path / "speed"
+    proc = run_cli("speed", "--runs", "llama.cpp-stock:full,llama.cpp:sekv@zoom_k=4", "--context", "1024",
+                   "--new-tokens", "8", "--repeats", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / "results.json").read_text())
+    runs = {r["run"]: r for r in data["results"]}
+    assert set(runs) == {"llama.cpp-stock:full", "llama.cpp:sekv@zoom_k=4"}
+    for r in runs.values():
+        assert r["median"]["prefill_tok_s"] > 0 and r["median"]["decode_tok_s"] > 0 and r["context_tokens"] == 1024
+        assert len(r["decode_tok_s"]) == 1  # one value per repeat
+    assert runs["llama.cpp:sekv@zoom_k=4"]["device_peak_bytes"] <= 0.25 * runs["llama.cpp:sekv@zoom_k=4"]["full_kv_bytes"]
+    assert "decode ratio" in (out / "summary.md").read_text()
+    bad = run_cli("speed", "--runs", "torch", "--out", str(out))
+    assert bad.returncode == 2 and "ENGINE:METHOD" in bad.stderr

@@ -67,6 +67,7 @@ struct step_builder {
                 // a raw span's rows are read where they lie (mul_mat_id picks each head's spans from the
                 // table). A span is in one table and reads the other's zero slot: the terms add up.
                 ggml_tensor * zscores = nullptr;  // [l*k, G, KV]
+                ggml_tensor * k_slots = t.n_raw[0] > 0 ? head_slots(t.k_rslot, chosen, k) : nullptr;
                 if (t.n_factored[0] > 0) {
                     ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.k_fslot, chosen), k, KV);
                     ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uk, f), R, l, k * KV);
@@ -78,8 +79,7 @@ struct step_builder {
                 }
                 if (t.n_raw[0] > 0) {  // raw keys are stored rotated: [D, l, slots * KV] x q -> [l, k, H]
                     ggml_tensor * table = ggml_reshape_3d(ctx, t.rk, D, l, t.rk->ne[1] * KV);
-                    ggml_tensor * s = ggml_mul_mat_id(ctx, table, ggml_reshape_3d(ctx, q, D, 1, G * KV),
-                                                      head_slots(t.k_rslot, chosen, k));
+                    ggml_tensor * s = ggml_mul_mat_id(ctx, table, ggml_reshape_3d(ctx, q, D, 1, G * KV), k_slots);
                     s = ggml_reshape_3d(ctx, s, l * k, G, KV);
                     zscores = zscores != nullptr ? ggml_add(ctx, zscores, s) : s;
                 }
@@ -90,7 +90,7 @@ struct step_builder {
                     zv_fact = ggml_mul_mat(ctx, u, w);  // [l, D, k*KV]
                 }
                 if (t.n_raw[1] > 0) {
-                    v_slots = head_slots(t.v_rslot, chosen, k);
+                    v_slots = t.same_raw_slots && k_slots != nullptr ? k_slots : head_slots(t.v_rslot, chosen, k);
                 }
                 ggml_tensor * zmask = ggml_reshape_3d(ctx, ggml_get_rows(ctx, mem->row_mask, chosen), l * k, 1, KV);
                 zscores = ggml_add(ctx, zscores, zmask);

@@ -43,6 +43,7 @@ struct sekv_layer_tensors {
     ggml_tensor * k_fslot = nullptr, * k_rslot = nullptr, * v_fslot = nullptr, * v_rslot = nullptr;
     int32_t n_factored[2] = {0, 0};  // keys, values
     int32_t n_raw[2] = {0, 0};
+    bool same_raw_slots = false;  // keys and values store the same spans raw: one slot lookup serves both
 };
 
 struct sekv_memory {

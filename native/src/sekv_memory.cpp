@@ -1,6 +1,7 @@
 // The SeKV memory: device-tier and host-tier tensors, and importing a memory the torch engine built.
 #include "sekv_internal.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -230,6 +231,8 @@ int sekv_memory_set_layer_spans(sekv_memory * mem, int32_t layer, const uint16_t
         !set_store(mem, *values, t.uv, t.wv, t.rvt, t.v_fslot, t.v_rslot, t.n_factored[1], t.n_raw[1])) {
         return -1;
     }
+    t.same_raw_slots = std::equal(keys->is_raw, keys->is_raw + S, values->is_raw,
+                                  [](int32_t a, int32_t b) { return (a != 0) == (b != 0); });
     mem->layer_spans_set[layer] = true;
     return 0;
 }

@@ -117,7 +117,7 @@ def measure(runs: list[SpeedRun], model_name: str, context_tokens: int, new_toke
 def write(results: list[SpeedResult], out: Path, command: str, settings: dict) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"command": command, "settings": settings,
-                                                  "results": [asdict(r) | r.medians() for r in results]}, indent=2))
+                                                  "results": [{**asdict(r), "median": r.medians()} for r in results]}, indent=2))
     base = results[0].medians()
     lines = [f"# Speed at {results[0].context_tokens} tokens of context", "", f"`{command}`", "",
              f"Medians over {len(results[0].decode_tok_s)} alternating repeats; decode = steady state over "

@@ -4,6 +4,7 @@ process with a stock llama-cpp-python)."""
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
     """The native library (built on first use when needed), loaded once per process."""
     global _LIB
     if _LIB is None:
-        lib = ctypes.CDLL(str(path or library_path()), mode=ctypes.RTLD_LOCAL)
+        # first use builds the library (minutes): say so on stderr rather than sit silent
+        path = path or library_path(log=lambda line: print(f"[native] {line}", file=sys.stderr, flush=True))
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
         for name, (res, args) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args

@@ -22,7 +22,7 @@ from ..errors import SekvError
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LIBRARY_NAME = "libsekv_native.so"
-# AMX off: the native default enables it on some Xeons and then crashes in the first matmul (DEVELOPERS.md)
+# AMX off: the native default enables it on some Xeons and then crashes in the first matmul
 CPU_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
              "-DGGML_AVX512_VBMI=ON", "-DGGML_OPENMP=OFF")
@@ -79,6 +79,11 @@ class BuildPlan:
 
     def library_path(self) -> Path:
         return cache_root() / "lib" / self.key() / LIBRARY_NAME
+
+
+def _tool(name: str) -> str | None:
+    """A build tool on PATH or next to this Python (pip's cmake / ninja wheels install there)."""
+    return shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
 
 
 def _compiler_version() -> str:
@@ -142,21 +147,23 @@ def build(cuda: bool = False, log: Log = lambda _: None, force: bool = False) ->
     target = plan.library_path()
     if target.is_file() and not force:
         return target
-    for tool in ("cmake", "c++"):
-        if shutil.which(tool) is None:
-            raise SekvError(f"building the native engine needs `{tool}` on PATH (e.g. apt install cmake g++)")
+    cmake = _tool("cmake")
+    if cmake is None or shutil.which("c++") is None:
+        raise SekvError("building the native engine needs cmake and a C++ compiler "
+                        "(e.g. `pip install cmake` and `apt install g++`)")
     if cuda and shutil.which("nvcc") is None:
         raise SekvError("--cuda needs nvcc (the CUDA toolkit) on PATH")
     tree = _source_tree(plan, log)
     flags_key = hashlib.sha256((plan.source_key() + " ".join(plan.flags)).encode()).hexdigest()[:16]
     build_dir = cache_root() / f"build-{flags_key}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    ninja = _tool("ninja")
+    generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
     log(f"configuring ({'CPU + CUDA' if cuda else 'CPU'}) in {build_dir}")
-    _run(["cmake", *generator, str(native_dir()), f"-DLLAMA_CPP_DIR={tree}", "-DCMAKE_BUILD_TYPE=Release",
+    _run([cmake, *generator, str(native_dir()), f"-DLLAMA_CPP_DIR={tree}", "-DCMAKE_BUILD_TYPE=Release",
           *plan.flags], build_dir, log, "cmake configure")
     log("compiling llama.cpp and sekv-native (a few minutes the first time)")
-    _run(["cmake", "--build", str(build_dir), "--target", "sekv_native", "-j", str(os.cpu_count() or 2)],
+    _run([cmake, "--build", str(build_dir), "--target", "sekv_native", "-j", str(os.cpu_count() or 2)],
          build_dir, log, "cmake build")
     built = build_dir / LIBRARY_NAME
     if not built.is_file():
