@@ -79,8 +79,26 @@ def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-class NativeModel:
+class _Handle:
+    """An object of the native library, freed by `free_function` on close (or when collected)."""
+
+    free_function = ""
+    handle: Any = None
+    lib: ctypes.CDLL
+
+    def close(self) -> None:
+        if self.handle:
+            getattr(self.lib, self.free_function)(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class NativeModel(_Handle):
     """A GGUF model loaded by llama.cpp inside the native library."""
+
+    free_function = "sekv_model_free"
 
     def __init__(self, gguf_path: str | Path, threads: int) -> None:
         self.lib = load_library()
@@ -91,13 +109,6 @@ class NativeModel:
         self.lib.sekv_model_get_info(self.handle, ctypes.byref(info))
         self.info = info
 
-    def close(self) -> None:
-        if self.handle:
-            self.lib.sekv_model_free(self.handle)
-            self.handle = None
-
-    def __del__(self) -> None:
-        self.close()
 
 
 @dataclass
@@ -122,8 +133,10 @@ class NativeBytes:
     compute: int
 
 
-class NativeMemory:
+class NativeMemory(_Handle):
     """One document's SeKV memory in native buffers; see sekv_native.h for the layouts."""
+
+    free_function = "sekv_memory_free"
 
     def __init__(self, model: NativeModel, exact_capacity: int, n_spans: int, span_rows: int, rank: int,
                  zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray) -> None:
@@ -183,10 +196,3 @@ class NativeMemory:
         k = self.lib.sekv_memory_last_zoom(self.handle, layer, _ptr(out))
         return out[: KV * max(k, 0)].reshape(KV, max(k, 0))
 
-    def close(self) -> None:
-        if self.handle:
-            self.lib.sekv_memory_free(self.handle)
-            self.handle = None
-
-    def __del__(self) -> None:
-        self.close()
