@@ -447,7 +447,8 @@ def native() -> None:
 
 
 @native.command("build")
-@click.option("--cuda", is_flag=True, help="Also build ggml's CUDA backend (needs nvcc).")
+@click.option("--cuda", is_flag=True, help="Also compile ggml's CUDA backend (needs nvcc and cuBLAS; the "
+              "llama.cpp engine does not run on it yet).")
 @click.option("--force", is_flag=True, help="Rebuild even when a build for the same inputs is cached.")
 def native_build(cuda: bool, force: bool) -> None:
     """Build llama.cpp from the pinned llama-cpp-python sdist with sekv-native (cached by input hash)."""
