@@ -17,7 +17,6 @@ struct step_builder {
     sekv_memory * mem;
     ggml_context * ctx;
     const sekv_model * m;
-    ggml_tensor * pos;
     int64_t D, H, KV, G, n_rows;
 
     ggml_tensor * rope(ggml_tensor * x, ggml_tensor * positions, ggml_tensor * factors) const {
@@ -152,7 +151,7 @@ ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggm
     *inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
     ggml_set_input(*inp_token);
     ggml_set_input(*inp_pos);
-    step_builder b{mem, ctx, m, *inp_pos, D, H, KV, H / KV, mem->n_exact + 1};
+    step_builder b{mem, ctx, m, D, H, KV, H / KV, mem->n_exact + 1};
 
     ggml_tensor * x = ggml_get_rows(ctx, lm.tok_embd, *inp_token);  // [n_embd, 1]
     zoom.assign(info.n_layer, nullptr);
