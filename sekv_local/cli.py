@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -447,8 +448,8 @@ def native() -> None:
 
 
 @native.command("build")
-@click.option("--cuda", is_flag=True, help="Also compile ggml's CUDA backend (needs nvcc and cuBLAS; the "
-              "llama.cpp engine does not run on it yet).")
+@click.option("--cuda", is_flag=True, help="Also compile ggml's CUDA backend (needs nvcc; cuBLAS comes from PyPI "
+              "when the toolkit lacks it; the llama.cpp engine does not run on CUDA yet).")
 @click.option("--force", is_flag=True, help="Rebuild even when a build for the same inputs is cached.")
 def native_build(cuda: bool, force: bool) -> None:
     """Build llama.cpp from the pinned llama-cpp-python sdist with sekv-native (cached by input hash)."""
@@ -456,6 +457,24 @@ def native_build(cuda: bool, force: bool) -> None:
 
     path = build.build(cuda=cuda, force=force, log=lambda line: click.echo(f"[native] {line}", err=True))
     click.echo(str(path))
+
+
+@native.command("cuda-check")
+@click.option("--arch", "archs", default=",".join(("86", "90")), show_default=True,
+              help="Comma-separated GPU architectures (compute capability without the dot).")
+def native_cuda_check(archs: str) -> None:
+    """Compile the CUDA sources of every ggml op the SeKV decode graph uses (no GPU needed)."""
+    from .native import cuda
+
+    wanted = tuple(a.strip() for a in archs.split(",") if a.strip())
+    if not wanted or not all(a.isdigit() for a in wanted):
+        raise click.BadParameter("give architectures as numbers, e.g. 86,90", param_hint="--arch")
+    start = time.perf_counter()
+    result = cuda.compile_check(wanted, log=lambda line: click.echo(f"[native] {line}", err=True))
+    for obj in result.objects:
+        click.echo(f"{obj.name:24s} sm_{', sm_'.join(sorted(cuda.embedded_archs(obj)))}")
+    click.echo(f"{len(result.objects)} CUDA sources compiled for sm_{', sm_'.join(wanted)} "
+               f"in {time.perf_counter() - start:.0f} s ({result.build_dir})")
 
 
 @native.command("path")

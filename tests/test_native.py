@@ -10,6 +10,7 @@ and a looser KL are required (the foundation parity test measures that noise flo
 from __future__ import annotations
 
 import ctypes
+import shutil
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ from sekv_local.engines.base import EngineOptions
 from sekv_local.engines.torch_engine import TorchEngine
 from sekv_local.errors import SekvError
 from sekv_local.eval.tasks import generate_sample
-from sekv_local.native import build
+from sekv_local.native import build, cuda
 from sekv_local.native.bindings import NativeMemory, NativeModel, load_library
 from sekv_local.native.memory_export import export_memory
 from sekv_local.session import Session, SessionSettings
@@ -47,8 +48,21 @@ def test_build_is_cached_by_its_inputs(library) -> None:
     start = time.perf_counter()
     again = build.build()
     assert again == library and time.perf_counter() - start < 5  # a cache hit compiles nothing
-    assert build.BuildPlan.create(cuda=True).key() != build.BuildPlan.create(cuda=False).key()
+    if shutil.which("nvcc"):  # a CUDA plan needs the toolkit to say where it lives
+        assert build.BuildPlan.create(cuda=True).key() != build.BuildPlan.create(cuda=False).key()
     assert library.parent.name == build.BuildPlan.create().key()
+
+
+@pytest.mark.slow
+def test_cuda_sources_of_the_decode_graph_compile_for_ampere_and_hopper() -> None:
+    """llama.cpp's own CUDA build configuration (cuBLAS from PyPI when the toolkit lacks it); every ggml
+    op the decode graph uses must compile to device code for sm_86 and sm_90. Needs nvcc, not a GPU."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc on this machine")
+    result = cuda.compile_check(("86", "90"), log=print)
+    assert {o.name for o in result.objects} == {f"{name}.cu.o" for name in cuda.DECODE_GRAPH_SOURCES}
+    for obj in result.objects:
+        assert cuda.embedded_archs(obj) == {"86", "90"}, obj.name
 
 
 def test_only_the_sekv_api_leaves_the_library(library) -> None:

@@ -26,7 +26,6 @@ LIBRARY_NAME = "libsekv_native.so"
 CPU_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
              "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
              "-DGGML_AVX512_VBMI=ON", "-DGGML_OPENMP=OFF")
-CUDA_FLAGS = ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=86;90")
 ENV_LIBRARY = "SEKV_NATIVE_LIBRARY"  # use this prebuilt library instead of building
 
 Log = Callable[[str], None]
@@ -54,11 +53,18 @@ class BuildPlan:
     patches: tuple[Path, ...]
 
     @classmethod
-    def create(cls, cuda: bool = False) -> "BuildPlan":
+    def create(cls, cuda: bool = False, log: Log = lambda _: None) -> "BuildPlan":
+        """The plan for this checkout; with cuda, the CUDA flags for this machine's toolkit (which may
+        fetch cuBLAS, see native/cuda.py)."""
         root = native_dir()
         sources = tuple(sorted([root / "CMakeLists.txt", *(root / "src").glob("*.*")]))
         patches = tuple(sorted((root / "patches").glob("*.patch")))
-        flags = CPU_FLAGS + (CUDA_FLAGS if cuda else ())
+        if cuda:
+            from .cuda import cmake_flags
+
+            flags = CPU_FLAGS + cmake_flags(log)
+        else:
+            flags = CPU_FLAGS
         return cls(cuda, flags, sources, patches)
 
     def source_key(self) -> str:
@@ -93,7 +99,15 @@ def _compiler_version() -> str:
         return "no c++"
 
 
-def _run(cmd: list[str], cwd: Path, log: Log, what: str) -> None:
+def tool_or_fail(name: str) -> str:
+    found = _tool(name)
+    if found is None:
+        raise SekvError(f"building the native engine needs {name} (e.g. `pip install cmake ninja`)")
+    return found
+
+
+def run_tool(cmd: list[str], cwd: Path, what: str) -> None:
+    """Run a build step; on failure raise with the tail of its output."""
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
@@ -108,15 +122,15 @@ def _sdist(log: Log) -> Path:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
     log(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} source distribution (pip)")
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(folder),
-          f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"], folder, log, "pip download")
+    run_tool([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(folder),
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"], folder, "pip download")
     found = sorted(folder.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"))
     if not found:
         raise SekvError(f"pip did not produce the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist in {folder}")
     return found[0]
 
 
-def _source_tree(plan: BuildPlan, log: Log) -> Path:
+def source_tree(plan: BuildPlan, log: Log) -> Path:
     """vendor/llama.cpp of the sdist with our patches applied (one tree per patch set)."""
     tree = cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{plan.source_key()}"
     if (tree / ".sekv-ready").is_file():
@@ -134,37 +148,42 @@ def _source_tree(plan: BuildPlan, log: Log) -> Path:
         tar.extractall(staging, members=[m for m in members if m.name], filter="data")
     for patch in plan.patches:
         log(f"applying {patch.name}")
-        _run(["patch", "-p1", "--forward", "--quiet", "-i", str(patch)], staging, log, f"patch {patch.name}")
+        run_tool(["patch", "-p1", "--forward", "--quiet", "-i", str(patch)], staging, f"patch {patch.name}")
     (staging / ".sekv-ready").write_text(plan.source_key())
     shutil.rmtree(tree, ignore_errors=True)
     staging.rename(tree)
     return tree
 
 
-def build(cuda: bool = False, log: Log = lambda _: None, force: bool = False) -> Path:
-    """Build (or find in the cache) the native library; returns its path."""
-    plan = BuildPlan.create(cuda)
-    target = plan.library_path()
-    if target.is_file() and not force:
-        return target
-    cmake = _tool("cmake")
-    if cmake is None or shutil.which("c++") is None:
-        raise SekvError("building the native engine needs cmake and a C++ compiler "
-                        "(e.g. `pip install cmake` and `apt install g++`)")
-    if cuda and shutil.which("nvcc") is None:
-        raise SekvError("--cuda needs nvcc (the CUDA toolkit) on PATH")
-    tree = _source_tree(plan, log)
-    flags_key = hashlib.sha256((plan.source_key() + " ".join(plan.flags)).encode()).hexdigest()[:16]
+def configure(plan: BuildPlan, tree: Path, flags: tuple[str, ...], log: Log) -> Path:
+    """Configure (or reuse) the CMake build directory for these flags; returns it. One directory per
+    (llama.cpp version, patches, flags), so our source edits recompile only our files."""
+    cmake = tool_or_fail("cmake")
+    flags_key = hashlib.sha256((plan.source_key() + " ".join(flags)).encode()).hexdigest()[:16]
     build_dir = cache_root() / f"build-{flags_key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     ninja = _tool("ninja")
     generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
-    log(f"configuring ({'CPU + CUDA' if cuda else 'CPU'}) in {build_dir}")
-    _run([cmake, *generator, str(native_dir()), f"-DLLAMA_CPP_DIR={tree}", "-DCMAKE_BUILD_TYPE=Release",
-          *plan.flags], build_dir, log, "cmake configure")
-    log("compiling llama.cpp and sekv-native (a few minutes the first time)")
-    _run([cmake, "--build", str(build_dir), "--target", "sekv_native", "-j", str(os.cpu_count() or 2)],
-         build_dir, log, "cmake build")
+    log(f"configuring ({'CPU + CUDA' if '-DGGML_CUDA=ON' in flags else 'CPU'}) in {build_dir}")
+    run_tool([cmake, *generator, str(native_dir()), f"-DLLAMA_CPP_DIR={tree}", "-DCMAKE_BUILD_TYPE=Release",
+              *flags], build_dir, "cmake configure")
+    return build_dir
+
+
+def build(cuda: bool = False, log: Log = lambda _: None, force: bool = False) -> Path:
+    """Build (or find in the cache) the native library; returns its path."""
+    plan = BuildPlan.create(cuda, log)
+    target = plan.library_path()
+    if target.is_file() and not force:
+        return target
+    if shutil.which("c++") is None:
+        raise SekvError("building the native engine needs a C++ compiler (e.g. `apt install g++`)")
+    tree = source_tree(plan, log)
+    build_dir = configure(plan, tree, plan.flags, log)
+    log("compiling llama.cpp and sekv-native (a few minutes the first time"
+        + (", much longer with CUDA" if cuda else "") + ")")
+    run_tool([tool_or_fail("cmake"), "--build", str(build_dir), "--target", "sekv_native", "-j",
+              str(os.cpu_count() or 2)], build_dir, "cmake build")
     built = build_dir / LIBRARY_NAME
     if not built.is_file():
         raise SekvError(f"the build finished without producing {built}")
