@@ -112,16 +112,8 @@ def read_document(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Docum
 
     try:
         st = path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        where = "" if path.is_absolute() else f" (a relative path is taken from the current directory, {_cwd()})"
-        raise DocumentError(f"Document not found: {shown}. Check the path and the spelling{where}.") from None
-    except PermissionError:
-        raise DocumentError(
-            f"Cannot read {shown}: permission denied on the file or a folder above it. "
-            f"Fix its permissions (e.g. chmod +r) or copy it somewhere you can read."
-        ) from None
     except OSError as exc:
-        raise DocumentError(f"Cannot read {shown}: {exc.strerror or exc}.") from None
+        raise _unreadable(path, shown, exc) from None
 
     if stat_module.S_ISDIR(st.st_mode):
         raise DocumentError(
@@ -187,6 +179,20 @@ def _cwd() -> str:
         return str(Path.cwd())
     except OSError:
         return "which no longer exists"
+
+
+def _unreadable(path: Path, shown: str, exc: OSError) -> DocumentError:
+    """The user's message for a document path that cannot be looked up."""
+    if "\n" in str(path) or len(str(path)) > 4096:  # no such file, and it reads like text
+        return DocumentError(f"{str(path)[:60]!r}... is not a file; it looks like document text. "
+                             f"Use Document.from_text(text) for text already in memory.")
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        where = "" if path.is_absolute() else f" (a relative path is taken from the current directory, {_cwd()})"
+        return DocumentError(f"Document not found: {shown}. Check the path and the spelling{where}.")
+    if isinstance(exc, PermissionError):
+        return DocumentError(f"Cannot read {shown}: permission denied on the file or a folder above it. "
+                             f"Fix its permissions (e.g. chmod +r) or copy it somewhere you can read.")
+    return DocumentError(f"Cannot read {shown}: {exc.strerror or exc}.")
 
 
 def _show(path: Path) -> str:

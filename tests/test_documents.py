@@ -476,3 +476,12 @@ def test_utf16_with_bom_then_binary_is_refused(tmp_path):
     p = write(tmp_path, "u16bin.txt", codecs.BOM_UTF16_LE + bytes([1, 0, 2, 0, 3, 0, 4, 0]) * 100)
     msg = error_for(p)
     assert "UTF-16" in msg and "not text" in msg
+
+
+def test_text_passed_as_a_path_gets_a_hint_not_an_echo():
+    text = "Chapter 1\nIt was a dark and stormy night. " * 400
+    with pytest.raises(DocumentError) as err:
+        read_document(text)
+    message = str(err.value)
+    assert "looks like document text" in message and "Document.from_text" in message
+    assert len(message) < 300  # the text itself is not echoed back
