@@ -449,7 +449,7 @@ def native() -> None:
 
 @native.command("build")
 @click.option("--cuda", is_flag=True, help="Also compile ggml's CUDA backend (needs nvcc; cuBLAS comes from PyPI "
-              "when the toolkit lacks it; the llama.cpp engine does not run on CUDA yet).")
+              "when the toolkit lacks it), for --engine llama.cpp --device cuda.")
 @click.option("--force", is_flag=True, help="Rebuild even when a build for the same inputs is cached.")
 def native_build(cuda: bool, force: bool) -> None:
     """Build llama.cpp from the pinned llama-cpp-python sdist with sekv-native (cached by input hash)."""
@@ -475,6 +475,43 @@ def native_cuda_check(archs: str) -> None:
         click.echo(f"{obj.name:24s} sm_{', sm_'.join(sorted(cuda.embedded_archs(obj)))}")
     click.echo(f"{len(result.objects)} CUDA sources compiled for sm_{', sm_'.join(wanted)} "
                f"in {time.perf_counter() - start:.0f} s ({result.build_dir})")
+
+
+@native.command("probe")
+@click.option("--contexts", default="8k,32k", show_default=True, help="Comma-separated context lengths (1k = 1024).")
+@click.option("--new-tokens", default=32, show_default=True, type=click.IntRange(2, 4096),
+              help="Tokens decoded per repeat and side.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100))
+@click.option("--zoom-k", default=16, show_default=True, type=click.IntRange(0, 4096),
+              help="Spans zoomed per layer and KV head per step.")
+@click.option("-m", "--model", default=registry.DEFAULT_MODEL, show_default=True)
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(1, 256))
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Stock llama.cpp's flash attention.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/native_probe"),
+              show_default=True)
+def native_probe(contexts: str, new_tokens: int, repeats: int, zoom_k: int, model: str, threads: int, device: str,
+                 flash_attn: str, out: Path) -> None:
+    """Decode tokens/s of the native SeKV step vs stock llama.cpp (full f16 KV) at long contexts, on a
+    synthetic SeKV memory of the right shape (no prefill: a step's cost does not depend on the values)."""
+    from .eval.tasks import parse_length
+    from .models.registry import resolve_model
+    from .native import probe
+    from .native.bindings import NativeModel
+
+    try:
+        lengths = [parse_length(c) for c in contexts.split(",") if c.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--contexts") from None
+    native_model = NativeModel(resolve_model(model), threads, gpu=device == "cuda")
+    results = probe.probe(native_model, lengths, new_tokens, repeats, zoom_k, {"auto": -1, "on": 1, "off": 0}[flash_attn],
+                          progress=lambda line: click.echo(line, err=True))
+    command = "sekv-local native probe " + " ".join(sys.argv[3:])
+    path = probe.write(results, out, command.strip(), {"contexts": lengths, "new_tokens": new_tokens,
+                                                       "repeats": repeats, "zoom_k": zoom_k, "model": model,
+                                                       "threads": threads, "device": device, "flash_attn": flash_attn})
+    click.echo(path.read_text())
 
 
 @native.command("path")

@@ -10,6 +10,7 @@ and a looser KL are required (the foundation parity test measures that noise flo
 from __future__ import annotations
 
 import ctypes
+import json
 import shutil
 import time
 
@@ -76,11 +77,12 @@ def test_only_the_sekv_api_leaves_the_library(library) -> None:
     assert llama_cpp.llama_max_devices() >= 1
 
 
-def native_memory(model: NativeModel, engine: TorchEngine, room: int = 64, decompress: bool = False) -> NativeMemory:
+def native_memory(model: NativeModel, engine: TorchEngine, room: int = 64, decompress: bool = False,
+                  scheduler: bool = False) -> NativeMemory:
     exported = export_memory(engine.cache, decompress=decompress)
     factored, raw = exported.store_counts()
     memory = NativeMemory(model, exported.n_exact + room, len(exported.span_len), exported.span_rows, exported.rank,
-                          engine.cache.zoom_k, engine.cache.cfg.summary_bias, factored, raw)
+                          engine.cache.zoom_k, engine.cache.cfg.summary_bias, factored, raw, scheduler=scheduler)
     memory.set_spans(exported.span_start, exported.span_len)
     for i, layer in enumerate(exported.layers):
         memory.set_exact(i, layer.exact_k, layer.exact_v)
@@ -88,7 +90,8 @@ def native_memory(model: NativeModel, engine: TorchEngine, room: int = 64, decom
     return memory
 
 
-def decode_side_by_side(gguf, tokenizer, library, options=None, decompress: bool = False) -> list[dict]:
+def decode_side_by_side(gguf, tokenizer, library, options=None, decompress: bool = False,
+                        scheduler: bool = False) -> list[dict]:
     """Torch SeKV memory of a 2K-token needle document + question, imported natively; STEPS greedy
     steps decoded by both engines on the same tokens. Per step: KL(torch || native), max |dlogit|,
     both argmaxes, and the share of torch's (layer, KV head, span) zoom choices the native graph made."""
@@ -104,7 +107,7 @@ def decode_side_by_side(gguf, tokenizer, library, options=None, decompress: bool
     engine.feed(question)
     assert engine.cache.span_len.length > engine.cache.zoom_k > 0  # some spans zoomed, some not
     model = NativeModel(gguf, 2)
-    memory = native_memory(model, engine, decompress=decompress)
+    memory = native_memory(model, engine, decompress=decompress, scheduler=scheduler)
     logits, steps = engine._last_logits, []
     spans = engine.cache.span_len.length
     for _ in range(STEPS):
@@ -168,6 +171,25 @@ def test_parity_with_rows_rebuilt_at_import(f32_model, tokenizer, library) -> No
         assert s["argmax"][0] == s["argmax"][1]
         assert s["kl"] < 1e-4
     assert np.mean([s["zoom_agreement"] for s in steps]) >= 0.99
+
+
+@pytest.mark.slow
+def test_parity_through_the_multi_backend_scheduler(f32_model, tokenizer, library) -> None:
+    """The path a GPU model takes (ggml's scheduler; host-tier buffers marked as weights so the ops that
+    read them stay on the CPU), run here on the CPU backend alone: the same results as the direct path."""
+    steps = decode_side_by_side(f32_model, tokenizer, library, {"energy": 0.9}, scheduler=True)
+    for s in steps:
+        assert s["argmax"][0] == s["argmax"][1]
+        assert s["kl"] < 1e-4
+    assert np.mean([s["zoom_agreement"] for s in steps]) >= 0.99
+
+
+def test_gpu_request_without_a_gpu_backend_is_refused(model_path, library) -> None:
+    lib = load_library(library)  # the CPU build: asking it for a GPU must fail with a reason, not crash
+    assert not lib.sekv_model_load_on(str(model_path).encode(), 1, 1)
+    assert "no GPU" in lib.sekv_last_error().decode()
+    with pytest.raises(SekvError, match="already loaded the CPU-only library"):
+        NativeModel(model_path, 1, gpu=True)
 
 
 def test_memory_params_are_checked(model_path, library) -> None:
@@ -273,3 +295,34 @@ def test_speed_command_writes_side_by_side_numbers(tmp_path, library, model_path
     assert "decode ratio" in (out / "summary.md").read_text()
     bad = run_cli("speed", "--runs", "torch", "--out", str(out))
     assert bad.returncode == 2 and "ENGINE:METHOD" in bad.stderr
+
+
+def test_probe_shapes_a_memory_like_sekv() -> None:
+    from sekv_local.native.probe import MemoryShape
+
+    shape = MemoryShape(8192, zoom_k=16)
+    assert shape.n_exact + shape.n_spans * shape.span_rows == 8192
+    # sinks + recent + about anchor_fraction of the rest stay exact
+    assert 4 + 128 <= shape.n_exact <= 4 + 128 + 0.05 * 8192 + 64
+    with pytest.raises(SekvError, match="no room"):
+        MemoryShape(100)
+
+
+@pytest.mark.slow
+def test_native_probe_times_stock_and_sekv_decode(library, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from sekv_local.cli import cli
+
+    load_library(library)
+    out = tmp_path / "probe"
+    result = CliRunner().invoke(cli, ["native", "probe", "--contexts", "2k", "--new-tokens", "4", "--repeats", "1",
+                                      "--threads", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "results.json").read_text())
+    (row,) = data["results"]
+    assert row["context_tokens"] == 2048
+    assert row["stock_decode_tok_s"][0] > 0 and row["sekv_decode_tok_s"][0] > 0
+    # the SeKV memory's device tier (exact rows, summaries, metadata) is a small part of full KV at 2K
+    assert 0 < row["sekv_device_bytes"] < 0.5 * row["full_kv_bytes"]
+    assert "| 2048 |" in (out / "summary.md").read_text()

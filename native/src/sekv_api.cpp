@@ -27,21 +27,26 @@ int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logi
         sekv_set_error("token id out of range or negative position");
         return -1;
     }
-    const size_t meta = ggml_tensor_overhead() * 16384 + ggml_graph_overhead_custom(16384, false);
+    const size_t meta = ggml_tensor_overhead() * SEKV_GRAPH_SIZE + ggml_graph_overhead_custom(SEKV_GRAPH_SIZE, false);
     mem->graph_meta.resize(meta);
     ggml_init_params ip = {meta, mem->graph_meta.data(), true};
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * inp_token = nullptr, * inp_pos = nullptr;
     std::vector<ggml_tensor *> zoom;
     ggml_cgraph * gf = sekv_build_decode_graph(mem, ctx, &inp_token, &inp_pos, zoom);
-    if (!ggml_gallocr_alloc_graph(mem->allocr, gf)) {
+    if (mem->sched != nullptr) {
+        ggml_backend_sched_reset(mem->sched);
+    }
+    if (!(mem->sched != nullptr ? ggml_backend_sched_alloc_graph(mem->sched, gf) : ggml_gallocr_alloc_graph(mem->allocr, gf))) {
         ggml_free(ctx);
         sekv_set_error("could not allocate the decode graph's compute buffer");
         return -1;
     }
     ggml_backend_tensor_set(inp_token, &token, 0, sizeof(token));
     ggml_backend_tensor_set(inp_pos, &position, 0, sizeof(position));
-    if (ggml_backend_graph_compute(mem->model->backend, gf) != GGML_STATUS_SUCCESS) {
+    const ggml_status status = mem->sched != nullptr ? ggml_backend_sched_graph_compute(mem->sched, gf)
+                                                     : ggml_backend_graph_compute(mem->model->cpu, gf);
+    if (status != GGML_STATUS_SUCCESS) {
         ggml_free(ctx);
         sekv_set_error("the decode graph failed to compute");
         return -1;

@@ -145,7 +145,7 @@ ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggm
     const llama_model & lm = *m->model;
     const sekv_model_info & info = m->info;
     const int64_t D = info.head_dim, H = info.n_head, KV = info.n_head_kv;
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, 16384, false);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, SEKV_GRAPH_SIZE, false);
 
     *inp_token = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
     *inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);

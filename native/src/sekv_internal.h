@@ -17,7 +17,10 @@ void sekv_set_error(const std::string & message);
 
 struct sekv_model {
     llama_model * model = nullptr;
-    ggml_backend_t backend = nullptr;  // the CPU backend the decode graph runs on
+    ggml_backend_t cpu = nullptr;  // always: the whole graph on a CPU-only run, the host-tier reads otherwise
+    ggml_backend_t gpu = nullptr;  // on a GPU run: weights, device tier and every op that does not read the host tier
+    ggml_backend_dev_t gpu_dev = nullptr;
+    int32_t n_threads = 1;
     sekv_model_info info{};
     int rope_type = 0;
     float rope_base = 10000.0f;
@@ -64,11 +67,15 @@ struct sekv_memory {
     bool spans_set = false;
     std::vector<bool> layer_spans_set;
 
-    ggml_gallocr_t allocr = nullptr;
+    ggml_gallocr_t allocr = nullptr;        // one backend: plain allocation of each step's graph
+    ggml_backend_sched_t sched = nullptr;   // GPU (or forced): ggml splits each step between GPU and CPU
     std::vector<uint8_t> graph_meta;  // scratch for the per-step graph's tensor headers
     std::vector<std::vector<int32_t>> last_zoom;  // [layer][KV * k]
     int32_t last_zoom_k = 0;
 };
+
+// Most nodes a decode graph holds (every layer's ops for the largest models we take).
+constexpr size_t SEKV_GRAPH_SIZE = 16384;
 
 // The decode graph of one token; fills `zoom` with each layer's top-k index tensor (or nullptr).
 ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggml_tensor ** inp_token,

@@ -76,13 +76,21 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     mem->row_mask = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, l, S, KV);
     mem->neg_inf = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, 1, k, KV);
 
-    mem->device_buf = ggml_backend_alloc_ctx_tensors(mem->device_ctx, model->backend);
-    mem->host_buf = ggml_backend_alloc_ctx_tensors(mem->host_ctx, model->backend);
+    ggml_backend_t main = model->gpu != nullptr ? model->gpu : model->cpu;
+    ggml_backend_buffer_type_t host_buft = model->gpu_dev ? ggml_backend_dev_host_buffer_type(model->gpu_dev) : nullptr;
+    if (host_buft == nullptr) {
+        host_buft = ggml_backend_get_default_buffer_type(model->cpu);
+    }
+    mem->device_buf = ggml_backend_alloc_ctx_tensors_from_buft(mem->device_ctx, ggml_backend_get_default_buffer_type(main));
+    mem->host_buf = ggml_backend_alloc_ctx_tensors_from_buft(mem->host_ctx, host_buft);
     if (mem->device_buf == nullptr || mem->host_buf == nullptr) {
         sekv_set_error("could not allocate the SeKV memory buffers");
         sekv_memory_free(mem);
         return nullptr;
     }
+    // the scheduler runs an op where its "weights" live: ops reading the host tier stay on the CPU, so only
+    // the rows they gather cross to the GPU
+    ggml_backend_buffer_set_usage(mem->host_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_backend_buffer_clear(mem->device_buf, 0);
     ggml_backend_buffer_clear(mem->host_buf, 0);
     std::vector<float> ninf((size_t) (k * KV), -INFINITY);
@@ -90,7 +98,15 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     mem->layer_exact.assign(L, 0);
     mem->layer_spans_set.assign(L, params->n_spans == 0);
     mem->last_zoom.assign(L, {});
-    mem->allocr = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->backend));
+    if (model->gpu != nullptr || params->scheduler) {
+        ggml_backend_t backends[2];
+        int n = 0;
+        if (model->gpu != nullptr) backends[n++] = model->gpu;
+        backends[n++] = model->cpu;  // the scheduler wants the CPU last
+        mem->sched = ggml_backend_sched_new(backends, nullptr, n, SEKV_GRAPH_SIZE, false, false);
+    } else {
+        mem->allocr = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->cpu));
+    }
     mem->spans_set = params->n_spans == 0;
     return mem;
 }
@@ -100,6 +116,7 @@ void sekv_memory_free(sekv_memory * mem) {
         return;
     }
     if (mem->allocr) ggml_gallocr_free(mem->allocr);
+    if (mem->sched) ggml_backend_sched_free(mem->sched);
     if (mem->device_buf) ggml_backend_buffer_free(mem->device_buf);
     if (mem->host_buf) ggml_backend_buffer_free(mem->host_buf);
     if (mem->device_ctx) ggml_free(mem->device_ctx);
@@ -242,7 +259,14 @@ int32_t sekv_memory_n_exact(const sekv_memory * mem) { return mem->n_exact; }
 int sekv_memory_bytes(const sekv_memory * mem, uint64_t * device, uint64_t * host, uint64_t * compute) {
     *device = ggml_backend_buffer_get_size(mem->device_buf);
     *host = ggml_backend_buffer_get_size(mem->host_buf);
-    *compute = ggml_gallocr_get_buffer_size(mem->allocr, 0);
+    *compute = 0;
+    if (mem->allocr) {
+        *compute = ggml_gallocr_get_buffer_size(mem->allocr, 0);
+    } else {
+        for (ggml_backend_t b : {mem->model->gpu, mem->model->cpu}) {
+            if (b != nullptr) *compute += ggml_backend_sched_get_buffer_size(mem->sched, b);
+        }
+    }
     return 0;
 }
 

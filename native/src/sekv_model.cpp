@@ -36,7 +36,9 @@ static const char * unsupported(const llama_model * m) {
     return nullptr;
 }
 
-sekv_model * sekv_model_load(const char * path, int32_t n_threads) {
+sekv_model * sekv_model_load(const char * path, int32_t n_threads) { return sekv_model_load_on(path, n_threads, 0); }
+
+sekv_model * sekv_model_load_on(const char * path, int32_t n_threads, int32_t gpu) {
     static std::once_flag init;
     std::call_once(init, [] {
         llama_log_set(quiet_log, nullptr);
@@ -44,6 +46,19 @@ sekv_model * sekv_model_load(const char * path, int32_t n_threads) {
     });
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
+    ggml_backend_dev_t gpu_dev = nullptr;
+    ggml_backend_dev_t devices[2] = {nullptr, nullptr};
+    if (gpu) {
+        gpu_dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+        if (gpu_dev == nullptr) {
+            sekv_set_error("no GPU: this library was built without a GPU backend (sekv-local native build --cuda) "
+                           "or no GPU is visible");
+            return nullptr;
+        }
+        devices[0] = gpu_dev;
+        mp.devices = devices;
+        mp.n_gpu_layers = 9999;  // every layer and the output
+    }
     llama_model * lm = llama_model_load_from_file(path, mp);
     if (lm == nullptr) {
         sekv_set_error(std::string("llama.cpp could not load ") + path);
@@ -56,8 +71,18 @@ sekv_model * sekv_model_load(const char * path, int32_t n_threads) {
     }
     auto * m = new sekv_model();
     m->model = lm;
-    m->backend = ggml_backend_cpu_init();
-    ggml_backend_cpu_set_n_threads(m->backend, n_threads > 0 ? n_threads : 1);
+    m->cpu = ggml_backend_cpu_init();
+    m->n_threads = n_threads > 0 ? n_threads : 1;
+    ggml_backend_cpu_set_n_threads(m->cpu, m->n_threads);
+    if (gpu_dev != nullptr) {
+        m->gpu_dev = gpu_dev;
+        m->gpu = ggml_backend_dev_init(gpu_dev, nullptr);
+        if (m->gpu == nullptr) {
+            sekv_set_error("could not start the GPU backend");
+            sekv_model_free(m);
+            return nullptr;
+        }
+    }
     const auto & hp = lm->hparams;
     m->info.n_layer = (int32_t) hp.n_layer();
     m->info.n_head = (int32_t) hp.n_head();
@@ -80,9 +105,12 @@ void sekv_model_free(sekv_model * model) {
     if (model == nullptr) {
         return;
     }
-    ggml_backend_free(model->backend);
+    if (model->gpu) ggml_backend_free(model->gpu);
+    if (model->cpu) ggml_backend_free(model->cpu);
     llama_model_free(model->model);
     delete model;
 }
 
 void sekv_model_get_info(const sekv_model * model, sekv_model_info * out) { *out = model->info; }
+
+int32_t sekv_model_on_gpu(const sekv_model * model) { return model->gpu != nullptr ? 1 : 0; }

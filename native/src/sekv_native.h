@@ -45,11 +45,18 @@ typedef struct sekv_memory_params {
     float summary_bias;     /* multiplier of +log|S| on unexpanded spans' summary rows (0 = leave them out) */
     const int32_t * n_factored; /* [n_layer][2]: spans each layer stores as SVD factors, keys then values */
     const int32_t * n_raw;      /* [n_layer][2]: spans stored raw (factors would not be smaller than the span) */
+    int32_t scheduler;          /* 1: run steps through ggml's multi-backend scheduler even on a CPU-only model
+                                   (the path a GPU model always takes; lets CPU tests cover it) */
 } sekv_memory_params;
 
 SEKV_API const char * sekv_last_error(void);
 
 SEKV_API sekv_model * sekv_model_load(const char * path, int32_t n_threads);
+/* gpu = 1: weights and the device tier on the first GPU of a CUDA build, the host tier in pinned host
+ * memory; ops that read the host tier run on the CPU (only the zoomed rows cross to the GPU). */
+SEKV_API sekv_model * sekv_model_load_on(const char * path, int32_t n_threads, int32_t gpu);
+/* 1 when the model runs on a GPU */
+SEKV_API int32_t sekv_model_on_gpu(const sekv_model * model);
 SEKV_API void sekv_model_free(sekv_model * model);
 SEKV_API void sekv_model_get_info(const sekv_model * model, sekv_model_info * out);
 
@@ -88,6 +95,12 @@ SEKV_API int32_t sekv_memory_n_exact(const sekv_memory * memory);
 SEKV_API int sekv_memory_bytes(const sekv_memory * memory, uint64_t * device, uint64_t * host, uint64_t * compute);
 /* Spans rebuilt by `layer` in the last decode step: int32 [KV][k] written to spans; returns k (0: none). */
 SEKV_API int32_t sekv_memory_last_zoom(const sekv_memory * memory, int32_t layer, int32_t * spans);
+
+/* Stock llama.cpp on the same model, for comparison: a full-f16-KV context, n_context ordinary tokens
+ * prefilled in batches of 2048, then n_decode single-token steps; tokens/s of each. flash_attn: -1 =
+ * llama.cpp's default (auto), 0 = off, 1 = on. */
+SEKV_API int sekv_stock_bench(sekv_model * model, int32_t n_context, int32_t n_decode, int32_t flash_attn,
+                              double * prefill_tps, double * decode_tps);
 
 #ifdef __cplusplus
 }

@@ -38,8 +38,6 @@ class LlamaCppSekvEngine(Engine):
         if options.method != "sekv":
             raise SekvError(f"engine 'llama.cpp' runs method 'sekv' (got '{options.method}'); use "
                             f"--engine llama.cpp-stock for stock llama.cpp or --engine torch for other methods")
-        if options.device not in ("cpu", "auto"):
-            raise SekvError("engine 'llama.cpp' runs on the CPU so far (its CUDA build is not wired in yet)")
         from ..native.bindings import NativeModel
         from ..native.memory_export import supported
 
@@ -54,7 +52,9 @@ class LlamaCppSekvEngine(Engine):
         if why is not None:
             raise SekvError(f"engine 'llama.cpp' does not support {why} yet; use --engine torch")
         self.notices = self.reference.notices
-        self.native_model = NativeModel(gguf_path, options.threads or os.cpu_count() or 1)
+        # the native side follows the device the torch side prefills on ("auto" picks CUDA when torch sees it)
+        on_gpu = torch.device(self.reference.device).type == "cuda"
+        self.native_model = NativeModel(gguf_path, options.threads or os.cpu_count() or 1, gpu=on_gpu)
         self.native: Any = None  # NativeMemory, built from the torch memory when decoding starts
         self.pending: list[int] = []  # decoded natively, not yet in the torch memory
         self._native_peak = 0

@@ -24,7 +24,8 @@ class ModelInfo(ctypes.Structure):
 
 class MemoryParams(ctypes.Structure):
     _fields_ = [("exact_capacity", _c_int), ("n_spans", _c_int), ("span_rows", _c_int), ("rank", _c_int),
-                ("zoom_k", _c_int), ("summary_bias", _c_float), ("n_factored", _p), ("n_raw", _p)]
+                ("zoom_k", _c_int), ("summary_bias", _c_float), ("n_factored", _p), ("n_raw", _p),
+                ("scheduler", _c_int)]
 
 
 class SpanRows(ctypes.Structure):
@@ -33,7 +34,10 @@ class SpanRows(ctypes.Structure):
 
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "sekv_last_error": (ctypes.c_char_p, []),
-    "sekv_model_load": (_p, [ctypes.c_char_p, _c_int]),
+    "sekv_model_load_on": (_p, [ctypes.c_char_p, _c_int, _c_int]),
+    "sekv_model_on_gpu": (_c_int, [_p]),
+    "sekv_stock_bench": (ctypes.c_int, [_p, _c_int, _c_int, _c_int, ctypes.POINTER(ctypes.c_double),
+                                        ctypes.POINTER(ctypes.c_double)]),
     "sekv_model_free": (None, [_p]),
     "sekv_model_get_info": (None, [_p, ctypes.POINTER(ModelInfo)]),
     "sekv_memory_create": (_p, [_p, ctypes.POINTER(MemoryParams)]),
@@ -50,19 +54,25 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 }
 
 _LIB: ctypes.CDLL | None = None
+_LIB_CUDA = False
 
 
-def load_library(path: Path | None = None) -> ctypes.CDLL:
-    """The native library (built on first use when needed), loaded once per process."""
-    global _LIB
+def load_library(path: Path | None = None, cuda: bool = False) -> ctypes.CDLL:
+    """The native library (built on first use when needed), loaded once per process; cuda: the build
+    with ggml's CUDA backend (it runs CPU models too)."""
+    global _LIB, _LIB_CUDA
+    if _LIB is not None and cuda and not _LIB_CUDA:
+        raise SekvError("native engine: this process already loaded the CPU-only library; start a new one to "
+                        "use the GPU")
     if _LIB is None:
         # first use builds the library (minutes): say so on stderr rather than sit silent
-        path = path or library_path(log=lambda line: print(f"[native] {line}", file=sys.stderr, flush=True))
+        path = path or library_path(log=lambda line: print(f"[native] {line}", file=sys.stderr, flush=True),
+                                    cuda=cuda)
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
         for name, (res, args) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = res, args
-        _LIB = lib
+        _LIB, _LIB_CUDA = lib, cuda
     return _LIB
 
 
@@ -100,15 +110,24 @@ class NativeModel(_Handle):
 
     free_function = "sekv_model_free"
 
-    def __init__(self, gguf_path: str | Path, threads: int) -> None:
-        self.lib = load_library()
-        self.handle = self.lib.sekv_model_load(str(gguf_path).encode(), int(threads))
+    def __init__(self, gguf_path: str | Path, threads: int, gpu: bool = False) -> None:
+        """gpu: weights and the device tier on the first GPU (a CUDA build of the library)."""
+        self.lib = load_library(cuda=gpu)
+        self.handle = self.lib.sekv_model_load_on(str(gguf_path).encode(), int(threads), int(gpu))
         if not self.handle:
             raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")
         info = ModelInfo()
         self.lib.sekv_model_get_info(self.handle, ctypes.byref(info))
         self.info = info
+        self.on_gpu = bool(self.lib.sekv_model_on_gpu(self.handle))
 
+    def stock_bench(self, n_context: int, n_decode: int, flash_attn: int = -1) -> tuple[float, float]:
+        """Stock llama.cpp (full f16 KV) on this model: (prefill, decode) tokens/s after n_context
+        ordinary tokens; flash_attn -1 = llama.cpp's default, 0 = off, 1 = on."""
+        prefill, decode = ctypes.c_double(), ctypes.c_double()
+        _check(self.lib, self.lib.sekv_stock_bench(self.handle, int(n_context), int(n_decode), int(flash_attn),
+                                                   ctypes.byref(prefill), ctypes.byref(decode)), "stock_bench")
+        return prefill.value, decode.value
 
 
 @dataclass
@@ -139,15 +158,17 @@ class NativeMemory(_Handle):
     free_function = "sekv_memory_free"
 
     def __init__(self, model: NativeModel, exact_capacity: int, n_spans: int, span_rows: int, rank: int,
-                 zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray) -> None:
-        """n_factored, n_raw [n_layer, 2]: spans each layer stores as factors / raw, keys then values."""
+                 zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray,
+                 scheduler: bool = False) -> None:
+        """n_factored, n_raw [n_layer, 2]: spans each layer stores as factors / raw, keys then values.
+        scheduler: step through ggml's multi-backend scheduler even on the CPU (a GPU model always does)."""
         self.model = model
         self.lib = model.lib
         counts = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in (n_factored, n_raw)]
         if any(c.size != 2 * model.info.n_layer for c in counts):
             raise SekvError("native engine: n_factored / n_raw need one count per layer for keys and values")
         params = MemoryParams(exact_capacity, n_spans, span_rows, rank, zoom_k, summary_bias,
-                              _ptr(counts[0]), _ptr(counts[1]))
+                              _ptr(counts[0]), _ptr(counts[1]), int(scheduler))
         self.handle = self.lib.sekv_memory_create(model.handle, ctypes.byref(params))
         if not self.handle:
             raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")

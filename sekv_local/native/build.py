@@ -194,16 +194,17 @@ def build(cuda: bool = False, log: Log = lambda _: None, force: bool = False) ->
     return target
 
 
-def library_path(auto_build: bool = True, log: Log = lambda _: None) -> Path:
-    """The library to load: $SEKV_NATIVE_LIBRARY, the cached build for the current inputs, or a new build."""
+def library_path(auto_build: bool = True, log: Log = lambda _: None, cuda: bool = False) -> Path:
+    """The library to load: $SEKV_NATIVE_LIBRARY, the cached build for the current inputs, or a new build
+    (cuda: the build with ggml's CUDA backend)."""
     env = os.environ.get(ENV_LIBRARY)
     if env:
         if not Path(env).is_file():
             raise SekvError(f"{ENV_LIBRARY}={env} does not exist")
         return Path(env)
-    path = BuildPlan.create(cuda=False).library_path()
+    path = BuildPlan.create(cuda=cuda, log=log).library_path()
     if path.is_file():
         return path
     if not auto_build:
-        raise SekvError("the native engine is not built yet: run `sekv-local native build`")
-    return build(log=log)
+        raise SekvError(f"the native engine is not built yet: run `sekv-local native build{' --cuda' if cuda else ''}`")
+    return build(cuda=cuda, log=log)

@@ -135,9 +135,11 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
     starts = cache.span_pos.view().cpu()
 
     def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # the host tier lives on the CPU; RoPE's tables live where the model runs
+        x, positions = x.to(cache.device), positions.to(cache.device)
         cos, sin = cache.rope.cos_sin(positions.reshape(-1))
         shape = (positions.shape[0], 1, positions.shape[1], cos.shape[-1])
-        return cache.rope.apply(x, positions, (cos.view(shape), sin.view(shape)))
+        return cache.rope.apply(x, positions, (cos.view(shape), sin.view(shape))).cpu()
 
     out = []
     for layer in cache.layers:
