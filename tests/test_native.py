@@ -326,3 +326,19 @@ def test_native_probe_times_stock_and_sekv_decode(library, tmp_path) -> None:
     # the SeKV memory's device tier (exact rows, summaries, metadata) is a small part of full KV at 2K
     assert 0 < row["sekv_device_bytes"] < 0.5 * row["full_kv_bytes"]
     assert "| 2048 |" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_end_to_end_on_the_cpu(library, tmp_path) -> None:
+    """native/gpu_check.sh's Python half with --device cpu: the synthetic model loads in llama.cpp, the
+    scheduler path matches the direct path on it, and the speed table is written."""
+    from sekv_local.native import gpu_check
+
+    out = tmp_path / "check"
+    status = gpu_check.main(["--device", "cpu", "--contexts", "2k", "--new-tokens", "4", "--repeats", "1",
+                             "--threads", "1", "--layers", "2", "--out", str(out)])
+    assert status == 0
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert len(report["parity"]) == gpu_check.PARITY_STEPS
+    assert all(s["argmax"][0] == s["argmax"][1] and s["zoom_agreement"] == 1.0 for s in report["parity"])
+    assert report["speed"][0]["context_tokens"] == 2048 and report["speed"][0]["sekv_decode_tok_s"][0] > 0

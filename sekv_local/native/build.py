@@ -53,16 +53,17 @@ class BuildPlan:
     patches: tuple[Path, ...]
 
     @classmethod
-    def create(cls, cuda: bool = False, log: Log = lambda _: None) -> "BuildPlan":
+    def create(cls, cuda: bool = False, log: Log = lambda _: None,
+               cuda_archs: tuple[str, ...] | None = None) -> "BuildPlan":
         """The plan for this checkout; with cuda, the CUDA flags for this machine's toolkit (which may
-        fetch cuBLAS, see native/cuda.py)."""
+        fetch cuBLAS, see native/cuda.py) and device code for cuda_archs (None: llama.cpp's list)."""
         root = native_dir()
         sources = tuple(sorted([root / "CMakeLists.txt", *(root / "src").glob("*.*")]))
         patches = tuple(sorted((root / "patches").glob("*.patch")))
         if cuda:
             from .cuda import cmake_flags
 
-            flags = CPU_FLAGS + cmake_flags(log)
+            flags = CPU_FLAGS + cmake_flags(log, cuda_archs)
         else:
             flags = CPU_FLAGS
         return cls(cuda, flags, sources, patches)
@@ -130,8 +131,16 @@ def _sdist(log: Log) -> Path:
     return found[0]
 
 
+ENV_SOURCE = "SEKV_LLAMA_CPP_DIR"  # an already extracted and patched llama.cpp tree (machines without PyPI)
+
+
 def source_tree(plan: BuildPlan, log: Log) -> Path:
-    """vendor/llama.cpp of the sdist with our patches applied (one tree per patch set)."""
+    """vendor/llama.cpp of the sdist with our patches applied (one tree per patch set), or $SEKV_LLAMA_CPP_DIR."""
+    given = os.environ.get(ENV_SOURCE)
+    if given:
+        if not (Path(given) / "ggml" / "CMakeLists.txt").is_file():
+            raise SekvError(f"{ENV_SOURCE}={given} is not a llama.cpp source tree")
+        return Path(given)
     tree = cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{plan.source_key()}"
     if (tree / ".sekv-ready").is_file():
         return tree
@@ -159,7 +168,7 @@ def configure(plan: BuildPlan, tree: Path, flags: tuple[str, ...], log: Log) -> 
     """Configure (or reuse) the CMake build directory for these flags; returns it. One directory per
     (llama.cpp version, patches, flags), so our source edits recompile only our files."""
     cmake = tool_or_fail("cmake")
-    flags_key = hashlib.sha256((plan.source_key() + " ".join(flags)).encode()).hexdigest()[:16]
+    flags_key = hashlib.sha256((plan.source_key() + str(tree) + " ".join(flags)).encode()).hexdigest()[:16]
     build_dir = cache_root() / f"build-{flags_key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     ninja = _tool("ninja")
@@ -170,9 +179,10 @@ def configure(plan: BuildPlan, tree: Path, flags: tuple[str, ...], log: Log) -> 
     return build_dir
 
 
-def build(cuda: bool = False, log: Log = lambda _: None, force: bool = False) -> Path:
+def build(cuda: bool = False, log: Log = lambda _: None, force: bool = False,
+          cuda_archs: tuple[str, ...] | None = None) -> Path:
     """Build (or find in the cache) the native library; returns its path."""
-    plan = BuildPlan.create(cuda, log)
+    plan = BuildPlan.create(cuda, log, cuda_archs)
     target = plan.library_path()
     if target.is_file() and not force:
         return target

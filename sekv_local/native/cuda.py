@@ -58,6 +58,20 @@ def _toolkit_has_cublas(root: Path) -> bool:
     return any((d / "cublas_v2.h").is_file() for d in [root / "include", *root.glob("targets/*/include")])
 
 
+def installed_cublas() -> Path | None:
+    """A cuBLAS that pip already installed (the nvidia-cublas package PyTorch's CUDA builds bring):
+    the folder holding include/cublas_v2.h and lib/libcublas.so*, or None."""
+    try:
+        import nvidia  # namespace package of NVIDIA's wheels
+    except ImportError:
+        return None
+    for base in getattr(nvidia, "__path__", []):
+        for folder in sorted(Path(base).glob("*")):
+            if (folder / "include" / "cublas_v2.h").is_file() and any((folder / "lib").glob("libcublasLt.so*")):
+                return folder
+    return None
+
+
 def cublas_from_wheel(log: build.Log) -> Path:
     """Headers (include/) and libraries (lib/) of cuBLAS from its PyPI wheel, unpacked once into the cache."""
     name, version = CUBLAS_WHEEL
@@ -103,14 +117,24 @@ def cmake_flags(log: build.Log, archs: tuple[str, ...] | None = None) -> tuple[s
     if archs:
         flags.append(f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(f'{a}-real' for a in archs)}")
     if not _toolkit_has_cublas(root):
-        cublas = cublas_from_wheel(log)
+        cublas = installed_cublas() or cublas_from_wheel(log)
         lib = cublas / "lib"
         flags += [f"-DCUDA_cublas_LIBRARY={sorted(lib.glob('libcublas.so*'))[0]}",
                   f"-DCUDA_cublasLt_LIBRARY={sorted(lib.glob('libcublasLt.so*'))[0]}",
                   f"-DCMAKE_CUDA_FLAGS=-I{cublas / 'include'}"]
-    if ctypes.util.find_library("cuda") is None:  # no driver here: leave out the VMM pool (links libcuda)
+    if not _cmake_finds_libcuda(root):  # no driver library to link: leave out the VMM pool (links libcuda)
         flags.append("-DGGML_CUDA_NO_VMM=ON")
     return tuple(flags)
+
+
+def _cmake_finds_libcuda(root: Path) -> bool:
+    """Whether CMake's FindCUDAToolkit will find the driver library (an unversioned libcuda.so in the
+    toolkit's stubs or a system library folder); a machine without a driver has none."""
+    if ctypes.util.find_library("cuda") is None:
+        return False
+    folders = [root / "lib64" / "stubs", root / "lib64", *root.glob("targets/*/lib/stubs"), *root.glob("targets/*/lib"),
+               Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/local/nvidia/lib64")]
+    return any((folder / "libcuda.so").exists() for folder in folders)
 
 
 @dataclass(frozen=True)
