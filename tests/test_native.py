@@ -188,8 +188,9 @@ def test_gpu_request_without_a_gpu_backend_is_refused(model_path, library) -> No
     lib = load_library(library)  # the CPU build: asking it for a GPU must fail with a reason, not crash
     assert not lib.sekv_model_load_on(str(model_path).encode(), 1, 1)
     assert "no GPU" in lib.sekv_last_error().decode()
-    with pytest.raises(SekvError, match="already loaded the CPU-only library"):
-        NativeModel(model_path, 1, gpu=True)
+    if not cuda.gpu_visible():  # and the Python side says so before building a CUDA library for nothing
+        with pytest.raises(SekvError, match="no GPU"):
+            NativeModel(model_path, 1, gpu=True)
 
 
 def test_memory_params_are_checked(model_path, library) -> None:

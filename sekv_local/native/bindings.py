@@ -112,6 +112,11 @@ class NativeModel(_Handle):
 
     def __init__(self, gguf_path: str | Path, threads: int, gpu: bool = False) -> None:
         """gpu: weights and the device tier on the first GPU (a CUDA build of the library)."""
+        if gpu:
+            from .cuda import gpu_visible
+
+            if not gpu_visible():  # before building or loading the CUDA library (a long build for nothing)
+                raise SekvError("native engine: no GPU: nvidia-smi sees no NVIDIA GPU on this machine")
         self.lib = load_library(cuda=gpu)
         self.handle = self.lib.sekv_model_load_on(str(gguf_path).encode(), int(threads), int(gpu))
         if not self.handle:

@@ -42,6 +42,18 @@ def nvcc() -> str:
     return path
 
 
+def gpu_visible() -> bool:
+    """An NVIDIA GPU this process could use (asked of nvidia-smi, so no CUDA library is loaded)."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return False
+    try:
+        out = subprocess.run([tool, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
 def toolkit_root() -> Path:
     """The toolkit nvcc belongs to (nvcc may be a wrapper script, so ask nvcc itself)."""
     probe = build.cache_root() / "probe.cu"
