@@ -159,10 +159,8 @@ class CheckResult:
 def compile_check(archs: tuple[str, ...] = CHECK_ARCHS, log: build.Log = lambda _: None) -> CheckResult:
     """Compile the decode graph's CUDA sources for `archs` (no GPU needed); raises SekvError on failure.
     Incremental: a second run with the same inputs compiles nothing."""
-    plan = build.BuildPlan.create(cuda=False)
-    tree = build.source_tree(plan, log)
-    flags = build.CPU_FLAGS + cmake_flags(log, archs)
-    build_dir = build.configure(plan, tree, flags, log)
+    plan = build.BuildPlan.create(cuda=True, log=log, cuda_archs=archs)
+    build_dir = build.configure(plan, build.source_tree(plan, log), plan.flags, log)
     objects = tuple(build_dir / "llama.cpp" / "ggml" / "src" / "ggml-cuda" / "CMakeFiles" / "ggml-cuda.dir" /
                     f"{name}.cu.o" for name in DECODE_GRAPH_SOURCES)
     log(f"compiling {len(objects)} CUDA sources for sm_{', sm_'.join(archs)} (minutes the first time)")
