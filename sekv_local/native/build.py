@@ -166,9 +166,10 @@ def source_tree(plan: BuildPlan, log: Log) -> Path:
 
 def configure(plan: BuildPlan, tree: Path, flags: tuple[str, ...], log: Log) -> Path:
     """Configure (or reuse) the CMake build directory for these flags; returns it. One directory per
-    (llama.cpp version, patches, flags), so our source edits recompile only our files."""
+    (llama.cpp version, patches, flags, source checkout), so our source edits recompile only our files;
+    CMake refuses a build directory made for another checkout, hence the checkout in the key."""
     cmake = tool_or_fail("cmake")
-    flags_key = hashlib.sha256((plan.source_key() + str(tree) + " ".join(flags)).encode()).hexdigest()[:16]
+    flags_key = hashlib.sha256((plan.source_key() + str(tree) + str(native_dir()) + " ".join(flags)).encode()).hexdigest()[:16]
     build_dir = cache_root() / f"build-{flags_key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     ninja = _tool("ninja")
