@@ -26,7 +26,7 @@ from sekv_local.errors import SekvError
 from sekv_local.eval.tasks import generate_sample
 from sekv_local.native import build, cuda
 from sekv_local.native.bindings import NativeMemory, NativeModel, load_library
-from sekv_local.native.memory_export import export_memory
+from sekv_local.native.memory_export import native_memory
 from sekv_local.session import Session, SessionSettings
 
 STEPS = 8
@@ -77,21 +77,8 @@ def test_only_the_sekv_api_leaves_the_library(library) -> None:
     assert llama_cpp.llama_max_devices() >= 1
 
 
-def native_memory(model: NativeModel, engine: TorchEngine, room: int = 64, decompress: bool = False,
-                  scheduler: bool = False) -> NativeMemory:
-    exported = export_memory(engine.cache, decompress=decompress)
-    factored, raw = exported.store_counts()
-    memory = NativeMemory(model, exported.n_exact + room, len(exported.span_len), exported.span_rows, exported.rank,
-                          engine.cache.zoom_k, engine.cache.cfg.summary_bias, factored, raw, scheduler=scheduler)
-    memory.set_spans(exported.span_start, exported.span_len)
-    for i, layer in enumerate(exported.layers):
-        memory.set_exact(i, layer.exact_k, layer.exact_v)
-        memory.set_layer_spans(i, layer.sum_k, layer.sum_v, layer.keys, layer.values)
-    return memory
-
-
 def decode_side_by_side(gguf, tokenizer, library, options=None, decompress: bool = False,
-                        scheduler: bool = False) -> list[dict]:
+                        scheduler: bool = False, on_model=None) -> list[dict]:
     """Torch SeKV memory of a 2K-token needle document + question, imported natively; STEPS greedy
     steps decoded by both engines on the same tokens. Per step: KL(torch || native), max |dlogit|,
     both argmaxes, and the share of torch's (layer, KV head, span) zoom choices the native graph made."""
@@ -107,7 +94,9 @@ def decode_side_by_side(gguf, tokenizer, library, options=None, decompress: bool
     engine.feed(question)
     assert engine.cache.span_len.length > engine.cache.zoom_k > 0  # some spans zoomed, some not
     model = NativeModel(gguf, 2)
-    memory = native_memory(model, engine, decompress=decompress, scheduler=scheduler)
+    if on_model is not None:
+        on_model(model, engine)
+    memory = native_memory(model, engine.cache, 64, decompress=decompress, scheduler=scheduler)
     logits, steps = engine._last_logits, []
     spans = engine.cache.span_len.length
     for _ in range(STEPS):
@@ -124,9 +113,16 @@ def decode_side_by_side(gguf, tokenizer, library, options=None, decompress: bool
                   for h, row in enumerate(chosen.tolist()) for s in row}
         native_picked = {(layer, h, int(s)) for layer in range(engine.config.n_layers)
                          for h, row in enumerate(memory.last_zoom(layer)) for s in row}
+        slots = [(layer, h, i, s) for layer, chosen in engine.cache._zoom_events
+                 for h, row in enumerate(chosen.tolist()) for i, s in enumerate(row)]
+        native_slots = {(layer, h, i, int(s)) for layer in range(engine.config.n_layers)
+                        for h, row in enumerate(memory.last_zoom(layer)) for i, s in enumerate(row)}
         steps.append({"kl": float((p * (p.log() - q.log())).sum()), "max_dlogit": float(np.abs(reference - native).max()),
                       "argmax": (int(reference.argmax()), int(native.argmax())),
-                      "zoom_agreement": len(picked & native_picked) / len(picked)})
+                      "zoom_agreement": len(picked & native_picked) / len(picked),
+                      # slots the learned router left empty (-1), and how many of them native left empty too
+                      "empty_slots": sum(s < 0 for *_, s in slots),
+                      "empty_agreement": sum(1 for t in slots if t[-1] < 0 and t in native_slots)})
         logits = reference
     memory.close()
     print("\n" + "\n".join(str(s) for s in steps))
@@ -182,6 +178,96 @@ def test_parity_through_the_multi_backend_scheduler(f32_model, tokenizer, librar
         assert s["argmax"][0] == s["argmax"][1]
         assert s["kl"] < 1e-4
     assert np.mean([s["zoom_agreement"] for s in steps]) >= 0.99
+
+
+def learned_router_params(config, seed: int = 0):
+    """A router with every parameter moved and thresholds spread so that per step some KV groups pass
+    fewer spans than the top-k has slots (the -1 path) and others fill them."""
+    from sekv_local.sekv.config import SekvConfig
+    from sekv_local.sekv.router import Router
+    from sekv_local.sekv.router_file import params_of
+
+    router = Router(config, SekvConfig())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.q_proj.add_(0.1 * torch.randn(router.q_proj.shape, generator=gen))
+        router.threshold_logit.copy_(3.0 + 3.0 * torch.rand(router.threshold_logit.shape, generator=gen))
+    return params_of(router, config, {"routing_dim": router.routing_dim}, {"note": "native parity test"})
+
+
+@pytest.fixture(scope="module")
+def f32_model_with_router(f32_model, tmp_path_factory):
+    from sekv_local.converters.bake import bake
+    from sekv_local.models.gguf_file import GGUFModelFile
+    from sekv_local.sekv.router_file import save_router
+
+    folder = tmp_path_factory.mktemp("router")
+    params = learned_router_params(GGUFModelFile(f32_model).config)
+    path = bake(f32_model, save_router(folder / "router.safetensors", params), folder / "model-f32-router.gguf")
+    yield path, params
+    path.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_parity_with_the_learned_router_read_from_the_gguf(f32_model_with_router, tokenizer, library) -> None:
+    """The router baked into the GGUF: the native loader reads it (the same numbers the torch engine uses)
+    and the decode graph routes with it, including slots it leaves empty when too few spans pass."""
+    path, params = f32_model_with_router
+
+    def read_by_the_native_loader(model, engine) -> None:
+        assert engine.cache.router_kind == "projection"
+        q_proj, threshold = model.router()
+        assert np.array_equal(q_proj, params.tensors["q_proj"].numpy())
+        assert np.array_equal(threshold, params.tensors["threshold_logit"].numpy())
+
+    steps = decode_side_by_side(path, tokenizer, library, {"energy": 0.9}, on_model=read_by_the_native_loader)
+    for s in steps:
+        assert s["argmax"][0] == s["argmax"][1]
+        assert s["kl"] < 1e-4
+        assert s["zoom_agreement"] >= 0.95
+    assert np.mean([s["zoom_agreement"] for s in steps]) >= 0.99
+    empty = sum(s["empty_slots"] for s in steps)
+    assert empty > 0 and sum(s["empty_agreement"] for s in steps) >= 0.99 * empty
+
+
+def test_a_malformed_router_in_the_gguf_fails_the_load(model_path, library, tmp_path) -> None:
+    from converters.bake import _write_copy
+    from sekv_local.models.gguf_file import GGUFModelFile
+    from sekv_local.sekv.router_file import PREFIX, gguf_entries
+
+    load_library(library)
+    source = GGUFModelFile(model_path)
+    entries = gguf_entries(learned_router_params(source.config))
+    short = [(k, v[:-1] if k == "sekv.blk.3.q_proj" else v, kind) for k, v, kind in entries]
+    _write_copy(source, short, PREFIX, tmp_path / "short.gguf", None)
+    with pytest.raises(SekvError, match="'sekv.blk.3.q_proj' must hold 2048 numbers, got 2047"):
+        NativeModel(tmp_path / "short.gguf", 1)
+    other = [(k, 4 if k == "sekv.n_heads" else v, kind) for k, v, kind in entries]
+    _write_copy(source, other, PREFIX, tmp_path / "other.gguf", None)
+    with pytest.raises(SekvError, match="trained for another model: n_heads 4 \\(model: 9\\)"):
+        NativeModel(tmp_path / "other.gguf", 1)
+
+
+def test_router_set_from_python_is_checked(model_path, library) -> None:
+    load_library(library)
+    model = NativeModel(model_path, 1)
+    assert model.router_dim == 0 and model.router() is None  # the stock GGUF carries none
+    counts = np.zeros((model.info.n_layer, 2), dtype=np.int32)
+    with pytest.raises(SekvError, match="no learned router"):
+        NativeMemory(model, 16, 0, 8, 4, 2, 1.0, counts, counts, learned_router=True)
+    L, D, H = model.info.n_layer, model.info.head_dim, model.info.n_head
+    q_proj, threshold = np.random.default_rng(0).standard_normal((L, D, 16)), np.zeros((L, H))
+    with pytest.raises(SekvError, match="do not fit the model"):
+        model.set_router(q_proj[:, :, :, None], threshold)
+    q_proj[2, 3, 4] = np.nan
+    with pytest.raises(SekvError, match="non-finite"):
+        model.set_router(q_proj, threshold)
+    q_proj[2, 3, 4] = 0.5
+    model.set_router(q_proj, threshold)
+    assert model.router_dim == 16 and np.array_equal(model.router()[0], q_proj.astype(np.float32))
+    memory = NativeMemory(model, 16, 0, 8, 4, 2, 1.0, counts, counts)
+    with pytest.raises(SekvError, match="made without the learned router"):
+        memory.set_layer_routing(0, np.zeros((model.info.n_head_kv, 0, 16), dtype=np.float16))
 
 
 def test_gpu_request_without_a_gpu_backend_is_refused(model_path, library) -> None:

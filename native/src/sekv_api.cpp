@@ -13,6 +13,16 @@ int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logi
             return -1;
         }
     }
+    for (bool done : mem->layer_routing_set) {
+        if (!done) {
+            sekv_set_error("a layer's routing keys were never set (sekv_memory_set_layer_routing)");
+            return -1;
+        }
+    }
+    if (mem->params.router && mem->router_dim != mem->model->router_dim) {
+        sekv_set_error("the model's router was replaced by one of another routing_dim since this memory was made");
+        return -1;
+    }
     for (int32_t rows : mem->layer_exact) {
         if (rows != mem->n_exact) {
             sekv_set_error("layers hold different numbers of exact rows: import every layer before decoding");
@@ -32,7 +42,7 @@ int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logi
     ggml_init_params ip = {meta, mem->graph_meta.data(), true};
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * inp_token = nullptr, * inp_pos = nullptr;
-    std::vector<ggml_tensor *> zoom;
+    sekv_zoom_outputs zoom;
     ggml_cgraph * gf = sekv_build_decode_graph(mem, ctx, &inp_token, &inp_pos, zoom);
     if (mem->sched != nullptr) {
         ggml_backend_sched_reset(mem->sched);
@@ -54,15 +64,24 @@ int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logi
     ggml_tensor * out = ggml_graph_get_tensor(gf, "logits");
     ggml_backend_tensor_get(out, logits, 0, (size_t) info.n_vocab * sizeof(float));
     mem->last_zoom_k = 0;
-    for (size_t il = 0; il < zoom.size(); ++il) {
+    std::vector<float> passed;
+    for (size_t il = 0; il < zoom.chosen.size(); ++il) {
         auto & dst = mem->last_zoom[il];
-        if (zoom[il] == nullptr) {
+        ggml_tensor * chosen = zoom.chosen[il];
+        if (chosen == nullptr) {
             dst.clear();
             continue;
         }
-        dst.resize((size_t) ggml_nelements(zoom[il]));
-        ggml_backend_tensor_get(zoom[il], dst.data(), 0, dst.size() * sizeof(int32_t));
-        mem->last_zoom_k = (int32_t) zoom[il]->ne[0];
+        dst.resize((size_t) ggml_nelements(chosen));
+        ggml_backend_tensor_get(chosen, dst.data(), 0, dst.size() * sizeof(int32_t));
+        if (zoom.passed[il] != nullptr) {  // same [k, KV] order as chosen
+            passed.resize(dst.size());
+            ggml_backend_tensor_get(zoom.passed[il], passed.data(), 0, passed.size() * sizeof(float));
+            for (size_t i = 0; i < dst.size(); ++i) {
+                if (passed[i] == 0.0f) dst[i] = -1;
+            }
+        }
+        mem->last_zoom_k = (int32_t) chosen->ne[0];
     }
     ggml_free(ctx);
     mem->n_exact += 1;

@@ -2,7 +2,8 @@
 //
 // Per layer: q/k/v from llama.cpp's (quantized) weights, RoPE; the new K/V row is written into the
 // exact rows; routing scores every span by its coarse attention logit + log|S| (max over the KV group's
-// query heads), a hard top-k picks the spans to zoom into; their rows are rebuilt from the SVD factors
+// query heads) or, with the learned router, by q'.k'/sqrt(d') + log|S| where it passes the head's
+// threshold; a hard top-k picks the spans to zoom into; their rows are rebuilt from the SVD factors
 // (get_rows + mul_mat), RoPE'd at their original positions; one softmax runs over exact rows, summary
 // rows (+log|S|, the zoomed spans' rows masked) and the rebuilt rows.
 #include "sekv_internal.h"
@@ -10,6 +11,8 @@
 #include "llama-model.h"
 
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 namespace {
 
@@ -41,8 +44,30 @@ struct step_builder {
         return ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, slots, k, G, KV, 1), k, G * KV);
     }
 
-    // attention of one query token q [D, G, KV] over the layer's memory -> [D * H, 1]
-    ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor ** zoom_out) const {
+    // The learned router's choice: q_pre [D, G, KV] (before RoPE) -> chosen spans i32 [k, KV] and whether
+    // each passed its head's threshold f32 [1, k, KV]. A span failing every head's threshold scores
+    // BELOW (finite, so no inf * 0 below); the top-k takes it only when fewer than k passed.
+    std::pair<ggml_tensor *, ggml_tensor *> learned_route(int il, ggml_tensor * q_pre, int64_t k) const {
+        constexpr float BELOW = 1e30f;
+        const sekv_layer_tensors & t = mem->layers[il];
+        const int64_t dp = mem->router_dim, S = mem->params.n_spans;
+        ggml_tensor * proj = ggml_view_2d(ctx, m->router_q, D, dp, m->router_q->nb[1], il * m->router_q->nb[2]);
+        ggml_tensor * qp = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, proj, ggml_reshape_2d(ctx, q_pre, D, G * KV)), dp, G, KV);
+        ggml_tensor * logits = ggml_scale(ctx, ggml_mul_mat(ctx, t.route_k, qp), 1.0f / std::sqrt((float) dp));
+        logits = ggml_add(ctx, logits, mem->route_bias);  // [S, G, KV]
+        ggml_tensor * thr = ggml_view_3d(ctx, m->router_thr, 1, G, KV, m->router_thr->nb[0], G * m->router_thr->nb[0],
+                                         il * m->router_thr->nb[1]);
+        ggml_tensor * passed = ggml_step(ctx, ggml_sub(ctx, logits, thr));
+        ggml_tensor * score = max_over_group(ggml_add(ctx, logits, ggml_scale_bias(ctx, passed, BELOW, -BELOW)));
+        ggml_tensor * chosen = ggml_top_k(ctx, score, (int) k);  // i32 [k, KV]
+        ggml_tensor * best = ggml_get_rows(ctx, ggml_reshape_3d(ctx, score, 1, S, KV), chosen);  // [1, k, KV]
+        ggml_tensor * ok = ggml_step(ctx, ggml_scale_bias(ctx, best, 1.0f, 0.1f * BELOW));
+        return {chosen, ok};
+    }
+
+    // attention of one query token q [D, G, KV] (q_pre: the same before RoPE) over the layer's memory -> [D * H, 1]
+    ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor * q_pre, ggml_tensor ** zoom_out,
+                         ggml_tensor ** passed_out) const {
         const sekv_layer_tensors & t = mem->layers[il];
         const float scale = 1.0f / std::sqrt((float) D);
         const int64_t S = mem->params.n_spans;
@@ -58,8 +83,15 @@ struct step_builder {
             ggml_tensor * coarse = ggml_mul_mat(ctx, t.sk, q);  // [S, G, KV]
             ggml_tensor * coarse_bias = ggml_repeat_4d(ctx, mem->coarse_bias, 1, S, KV, 1);
             if (k > 0) {
-                ggml_tensor * route = max_over_group(ggml_add(ctx, coarse, mem->route_bias));  // [S, KV]
-                ggml_tensor * chosen = ggml_top_k(ctx, route, (int) k);  // i32 [k, KV]
+                ggml_tensor * chosen = nullptr, * ok = nullptr;
+                if (mem->params.router) {
+                    std::tie(chosen, ok) = learned_route(il, q_pre, k);
+                    ggml_set_output(ok);
+                    *passed_out = ok;
+                } else {
+                    ggml_tensor * route = max_over_group(ggml_add(ctx, coarse, mem->route_bias));  // [S, KV]
+                    chosen = ggml_top_k(ctx, route, (int) k);  // i32 [k, KV]
+                }
                 ggml_set_output(chosen);
                 *zoom_out = chosen;
                 // Zoomed rows: a factored span's rows are rebuilt (U W, then RoPE at their own positions);
@@ -92,10 +124,17 @@ struct step_builder {
                     v_slots = t.same_raw_slots && k_slots != nullptr ? k_slots : head_slots(t.v_rslot, chosen, k);
                 }
                 ggml_tensor * zmask = ggml_reshape_3d(ctx, ggml_get_rows(ctx, mem->row_mask, chosen), l * k, 1, KV);
-                zscores = ggml_add(ctx, zscores, zmask);
                 // a zoomed span is represented by its rows only: its summary row leaves the softmax
-                ggml_tensor * ninf = ggml_view_3d(ctx, mem->neg_inf, 1, k, KV, mem->neg_inf->nb[1], mem->neg_inf->nb[2], 0);
-                coarse_bias = ggml_set_rows(ctx, coarse_bias, ninf, chosen);
+                ggml_tensor * summary_out = ggml_view_3d(ctx, mem->neg_inf, 1, k, KV, mem->neg_inf->nb[1],
+                                                         mem->neg_inf->nb[2], 0);
+                if (ok != nullptr) {  // a slot whose span did not pass: its rows out, its summary row kept
+                    constexpr float OUT = -1e30f;  // finite: ok * OUT must not be inf * 0
+                    ggml_tensor * rows_out = ggml_repeat_4d(ctx, ggml_scale_bias(ctx, ok, -OUT, OUT), l, k, KV, 1);
+                    zmask = ggml_add(ctx, zmask, ggml_reshape_3d(ctx, rows_out, l * k, 1, KV));
+                    summary_out = ggml_add(ctx, ggml_get_rows(ctx, coarse_bias, chosen), ggml_scale(ctx, ok, OUT));
+                }
+                zscores = ggml_add(ctx, zscores, zmask);
+                coarse_bias = ggml_set_rows(ctx, coarse_bias, summary_out, chosen);
                 coarse = ggml_add(ctx, coarse, ggml_reshape_3d(ctx, coarse_bias, S, 1, KV));
                 scores = ggml_concat(ctx, ggml_concat(ctx, scores, coarse, 0), zscores, 0);
             } else {
@@ -140,7 +179,7 @@ ggml_tensor * matmul_bias(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, 
 }  // namespace
 
 ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggml_tensor ** inp_token,
-                                      ggml_tensor ** inp_pos, std::vector<ggml_tensor *> & zoom) {
+                                      ggml_tensor ** inp_pos, sekv_zoom_outputs & zoom) {
     const sekv_model * m = mem->model;
     const llama_model & lm = *m->model;
     const sekv_model_info & info = m->info;
@@ -154,7 +193,8 @@ ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggm
     step_builder b{mem, ctx, m, D, H, KV, H / KV, mem->n_exact + 1};
 
     ggml_tensor * x = ggml_get_rows(ctx, lm.tok_embd, *inp_token);  // [n_embd, 1]
-    zoom.assign(info.n_layer, nullptr);
+    zoom.chosen.assign(info.n_layer, nullptr);
+    zoom.passed.assign(info.n_layer, nullptr);
     for (int il = 0; il < info.n_layer; ++il) {
         const llama_layer & w = lm.layers[il];
         ggml_tensor * cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), w.attn_norm);
@@ -169,6 +209,7 @@ ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggm
             k = matmul_bias(ctx, w.wk, w.wk_b, cur);
             v = matmul_bias(ctx, w.wv, w.wv_b, cur);
         }
+        ggml_tensor * q_pre = ggml_reshape_3d(ctx, q, D, H / KV, KV);
         q = b.rope(ggml_reshape_3d(ctx, q, D, H, 1), *inp_pos, w.rope_freqs);
         k = b.rope(ggml_reshape_3d(ctx, k, D, KV, 1), *inp_pos, w.rope_freqs);
 
@@ -180,7 +221,8 @@ ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggm
         ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_3d(ctx, k, D, 1, KV), k_dst));
         ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_3d(ctx, v, 1, D, KV), v_dst));
 
-        ggml_tensor * attn = b.attend(il, ggml_reshape_3d(ctx, q, D, H / KV, KV), &zoom[il]);
+        ggml_tensor * attn = b.attend(il, ggml_reshape_3d(ctx, q, D, H / KV, KV), q_pre, &zoom.chosen[il],
+                                      &zoom.passed[il]);
         x = ggml_add(ctx, x, matmul_bias(ctx, w.wo, w.wo_b, attn));
 
         cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), w.ffn_norm);
@@ -193,8 +235,10 @@ ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggm
     ggml_set_output(logits);
     ggml_set_name(logits, "logits");
     ggml_build_forward_expand(gf, logits);
-    for (ggml_tensor * z : zoom) {
-        if (z != nullptr) ggml_build_forward_expand(gf, z);
+    for (const auto * outputs : {&zoom.chosen, &zoom.passed}) {
+        for (ggml_tensor * z : *outputs) {
+            if (z != nullptr) ggml_build_forward_expand(gf, z);
+        }
     }
     return gf;
 }

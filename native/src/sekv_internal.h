@@ -29,7 +29,16 @@ struct sekv_model {
     float beta_fast = 32.0f;
     float beta_slow = 1.0f;
     float norm_eps = 1e-5f;
+    // SeKV's learned router (sekv_router.cpp): q_proj^T f32 [D, d', L], per-head thresholds f32 [H, L]
+    int32_t router_dim = 0;  // d'; 0: no learned router
+    ggml_context * router_ctx = nullptr;
+    ggml_backend_buffer_t router_buf = nullptr;
+    ggml_tensor * router_q = nullptr, * router_thr = nullptr;
 };
+
+// the GGUF's sekv.* router, when it has one (false: present but unusable, error set)
+bool sekv_router_from_gguf(sekv_model * model, const char * path);
+void sekv_router_free(sekv_model * model);
 
 // One layer of the memory. Device tier: exact rows and span summaries. Host tier: span factors.
 //   ek  f16 [D, cap, KV]      exact keys (post-RoPE)        evt f16 [cap, D, KV]  exact values, transposed
@@ -38,12 +47,14 @@ struct sekv_model {
 //   (F and n_raw per layer and per keys / values)
 //   rk f16 [D*l, n_raw+1, KV] raw spans' keys (pre-RoPE)   rvt f16 [l*D, n_raw+1, KV] their values, transposed
 //   k_fslot, k_rslot, v_fslot, v_rslot i32 [1, S, KV]: each span's slot in the factored / raw table
+//   route_k f16 [d', S, KV]  routing keys of the learned router (params.router only)
 // The last slot of each table stays zero: a span indexes it in the table it is not stored in.
 struct sekv_layer_tensors {
     ggml_tensor * ek = nullptr, * evt = nullptr, * sk = nullptr, * svt = nullptr;
     ggml_tensor * uk = nullptr, * wk = nullptr, * uv = nullptr, * wv = nullptr;
     ggml_tensor * rk = nullptr, * rvt = nullptr;
     ggml_tensor * k_fslot = nullptr, * k_rslot = nullptr, * v_fslot = nullptr, * v_rslot = nullptr;
+    ggml_tensor * route_k = nullptr;
     int32_t n_factored[2] = {0, 0};  // keys, values
     int32_t n_raw[2] = {0, 0};
     bool same_raw_slots = false;  // keys and values store the same spans raw: one slot lookup serves both
@@ -66,17 +77,26 @@ struct sekv_memory {
     ggml_tensor * neg_inf = nullptr;  // [1, zoom_k, KV] filled with -inf: masks the coarse row of a zoomed span
     bool spans_set = false;
     std::vector<bool> layer_spans_set;
+    int32_t router_dim = 0;  // d' of the routing keys (params.router): the model's router must still have it
+    std::vector<bool> layer_routing_set;
 
     ggml_gallocr_t allocr = nullptr;        // one backend: plain allocation of each step's graph
     ggml_backend_sched_t sched = nullptr;   // GPU (or forced): ggml splits each step between GPU and CPU
     std::vector<uint8_t> graph_meta;  // scratch for the per-step graph's tensor headers
-    std::vector<std::vector<int32_t>> last_zoom;  // [layer][KV * k]
+    std::vector<std::vector<int32_t>> last_zoom;  // [layer][KV * k], -1: a slot the learned router left empty
     int32_t last_zoom_k = 0;
 };
 
 // Most nodes a decode graph holds (every layer's ops for the largest models we take).
 constexpr size_t SEKV_GRAPH_SIZE = 16384;
 
-// The decode graph of one token; fills `zoom` with each layer's top-k index tensor (or nullptr).
+// Per layer, what the decode graph zoomed into: the top-k span indices i32 [k, KV] and, with the learned
+// router, whether each passed its threshold f32 [1, k, KV] (1 / 0); nullptr where there is none.
+struct sekv_zoom_outputs {
+    std::vector<ggml_tensor *> chosen;
+    std::vector<ggml_tensor *> passed;
+};
+
+// The decode graph of one token.
 ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggml_tensor ** inp_token,
-                                      ggml_tensor ** inp_pos, std::vector<ggml_tensor *> & zoom);
+                                      ggml_tensor ** inp_pos, sekv_zoom_outputs & zoom);

@@ -35,6 +35,15 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     if (!check_params(*params, info)) {
         return nullptr;
     }
+    if (params->router != 0 && params->router != 1) {
+        sekv_set_error("sekv_memory_params: router must be 0 (training-free) or 1 (learned)");
+        return nullptr;
+    }
+    if (params->router && model->router_dim == 0) {
+        sekv_set_error("sekv_memory_params: router = 1 but the model has no learned router "
+                       "(none in its GGUF; set one with sekv_model_set_router)");
+        return nullptr;
+    }
     auto * mem = new sekv_memory();
     mem->model = model;
     mem->params = *params;
@@ -43,7 +52,7 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     const int64_t cap = params->exact_capacity, S = std::max<int64_t>(params->n_spans, 1);
     const int64_t l = params->span_rows, R = params->rank, k = std::max<int32_t>(params->zoom_k, 1);
 
-    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (L * 8 + 16), nullptr, true};
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (L * 9 + 16), nullptr, true};
     mem->device_ctx = ggml_init(ip);
     mem->host_ctx = ggml_init(ip);
     mem->layers.resize(L);
@@ -69,7 +78,11 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
         t.k_rslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
         t.v_fslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
         t.v_rslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
+        if (params->router) {
+            t.route_k = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, model->router_dim, S, KV);
+        }
     }
+    mem->router_dim = params->router ? model->router_dim : 0;
     mem->route_bias = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, S, 1, 1);
     mem->coarse_bias = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, 1, S, 1);
     mem->row_pos = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, l, S, KV);
@@ -97,6 +110,7 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     ggml_backend_tensor_set(mem->neg_inf, ninf.data(), 0, ggml_nbytes(mem->neg_inf));
     mem->layer_exact.assign(L, 0);
     mem->layer_spans_set.assign(L, params->n_spans == 0);
+    mem->layer_routing_set.assign(L, params->n_spans == 0 || !params->router);
     mem->last_zoom.assign(L, {});
     if (model->gpu != nullptr || params->scheduler) {
         ggml_backend_t backends[2];
@@ -251,6 +265,19 @@ int sekv_memory_set_layer_spans(sekv_memory * mem, int32_t layer, const uint16_t
     t.same_raw_slots = std::equal(keys->is_raw, keys->is_raw + S, values->is_raw,
                                   [](int32_t a, int32_t b) { return (a != 0) == (b != 0); });
     mem->layer_spans_set[layer] = true;
+    return 0;
+}
+
+int sekv_memory_set_layer_routing(sekv_memory * mem, int32_t layer, const uint16_t * route_k) {
+    if (!check_layer(mem, layer)) return -1;
+    if (!mem->params.router) {
+        sekv_set_error("this memory routes without learned routing keys (sekv_memory_params.router = 0)");
+        return -1;
+    }
+    const int64_t S = mem->params.n_spans, KV = mem->model->info.n_head_kv;
+    if (S == 0) return 0;
+    set_rows_by_head(mem->layers[layer].route_k, route_k, S, mem->router_dim, KV, false);
+    mem->layer_routing_set[layer] = true;
     return 0;
 }
 

@@ -98,6 +98,10 @@ sekv_model * sekv_model_load_on(const char * path, int32_t n_threads, int32_t gp
     m->beta_fast = hp.yarn_beta_fast;
     m->beta_slow = hp.yarn_beta_slow;
     m->norm_eps = hp.f_norm_rms_eps;
+    if (!sekv_router_from_gguf(m, path)) {
+        sekv_model_free(m);
+        return nullptr;
+    }
     return m;
 }
 
@@ -105,6 +109,7 @@ void sekv_model_free(sekv_model * model) {
     if (model == nullptr) {
         return;
     }
+    sekv_router_free(model);
     if (model->gpu) ggml_backend_free(model->gpu);
     if (model->cpu) ggml_backend_free(model->cpu);
     llama_model_free(model->model);

@@ -47,6 +47,10 @@ typedef struct sekv_memory_params {
     const int32_t * n_raw;      /* [n_layer][2]: spans stored raw (factors would not be smaller than the span) */
     int32_t scheduler;          /* 1: run steps through ggml's multi-backend scheduler even on a CPU-only model
                                    (the path a GPU model always takes; lets CPU tests cover it) */
+    int32_t router;             /* 0: route by each span's coarse attention logit + log|S| (training-free);
+                                   1: the model's learned router (sekv_model_set_router or the GGUF's sekv.*):
+                                   sigmoid(q'.k'/sqrt(d') + log|S|) against per-head thresholds, then top-k;
+                                   needs each layer's routing keys (sekv_memory_set_layer_routing) */
 } sekv_memory_params;
 
 SEKV_API const char * sekv_last_error(void);
@@ -59,6 +63,16 @@ SEKV_API sekv_model * sekv_model_load_on(const char * path, int32_t n_threads, i
 SEKV_API int32_t sekv_model_on_gpu(const sekv_model * model);
 SEKV_API void sekv_model_free(sekv_model * model);
 SEKV_API void sekv_model_get_info(const sekv_model * model, sekv_model_info * out);
+
+/* SeKV's learned router. Loading a GGUF that carries one (sekv.* metadata, written by the converter) reads
+ * it; a malformed one fails the load. routing_dim d'; q_proj float [n_layer][D][d'] maps a pre-RoPE query
+ * to routing space; threshold float [n_layer][n_head] are the per-head zoom thresholds (logits).
+ * Setting replaces the model's router (memories created before must not decode with another d'). */
+SEKV_API int sekv_model_set_router(sekv_model * model, int32_t routing_dim, const float * q_proj,
+                                   const float * threshold);
+/* d' of the model's learned router; 0 when it has none */
+SEKV_API int32_t sekv_model_router_dim(const sekv_model * model);
+SEKV_API int sekv_model_get_router(const sekv_model * model, float * q_proj, float * threshold);
 
 SEKV_API sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * params);
 SEKV_API void sekv_memory_free(sekv_memory * memory);
@@ -86,6 +100,10 @@ SEKV_API int sekv_memory_set_layer_spans(sekv_memory * memory, int32_t layer,
                                          const uint16_t * sum_k, const uint16_t * sum_v,
                                          const sekv_span_rows * keys, const sekv_span_rows * values);
 
+/* One layer's routing keys for the learned router: route_k [KV][S][d'], unit norm (k_proj of the
+ * pre-RoPE span summary, normalized). Counted in the device tier. */
+SEKV_API int sekv_memory_set_layer_routing(sekv_memory * memory, int32_t layer, const uint16_t * route_k);
+
 /* One token at `position`: appends its K/V to the exact rows of every layer; logits float [n_vocab]. */
 SEKV_API int sekv_decode(sekv_memory * memory, int32_t token, int32_t position, float * logits);
 
@@ -93,7 +111,8 @@ SEKV_API int32_t sekv_memory_n_exact(const sekv_memory * memory);
 /* device: the persistent device-tier buffer; host: span factors; compute: the step's graph buffer
  * (activations plus the zoom working set) as allocated by the last decode. */
 SEKV_API int sekv_memory_bytes(const sekv_memory * memory, uint64_t * device, uint64_t * host, uint64_t * compute);
-/* Spans rebuilt by `layer` in the last decode step: int32 [KV][k] written to spans; returns k (0: none). */
+/* Spans rebuilt by `layer` in the last decode step: int32 [KV][k] written to spans, -1 where the learned
+ * router passed fewer than k spans over its thresholds; returns k (0: none). */
 SEKV_API int32_t sekv_memory_last_zoom(const sekv_memory * memory, int32_t layer, int32_t * spans);
 
 /* Stock llama.cpp on the same model, for comparison: a full-f16-KV context, n_context ordinary tokens

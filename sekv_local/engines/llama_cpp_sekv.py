@@ -76,26 +76,12 @@ class LlamaCppSekvEngine(Engine):
             self.native = None
 
     def _import(self) -> None:
-        from ..native.bindings import NativeMemory
-        from ..native.memory_export import export_memory
+        from ..native.memory_export import native_memory
 
         cache = self.reference.cache
-        exported = export_memory(cache, decompress=self.host_form == "rows")
-        factored, raw = exported.store_counts()
         room = min(DECODE_ROOM, cache.chunk_tokens)  # folding back the room's tokens is one torch chunk
-        memory = NativeMemory(self.native_model, exported.n_exact + room, len(exported.span_len),
-                              exported.span_rows, exported.rank, cache.zoom_k if len(exported.span_len) else 0,
-                              cache.cfg.summary_bias, factored, raw)
-        try:
-            memory.set_spans(exported.span_start, exported.span_len)
-            for i, layer in enumerate(exported.layers):
-                memory.set_exact(i, layer.exact_k, layer.exact_v)
-                memory.set_layer_spans(i, layer.sum_k, layer.sum_v, layer.keys, layer.values)
-        except SekvError:
-            memory.close()
-            raise
-        self.native = memory
-        self.native_capacity = exported.n_exact + room
+        self.native = native_memory(self.native_model, cache, room, decompress=self.host_form == "rows")
+        self.native_capacity = self.native.n_exact + room
 
     # -- Engine -----------------------------------------------------------------------------------
     def _forward(self, tokens: list[int], prefill: bool) -> np.ndarray:

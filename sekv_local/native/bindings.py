@@ -25,7 +25,7 @@ class ModelInfo(ctypes.Structure):
 class MemoryParams(ctypes.Structure):
     _fields_ = [("exact_capacity", _c_int), ("n_spans", _c_int), ("span_rows", _c_int), ("rank", _c_int),
                 ("zoom_k", _c_int), ("summary_bias", _c_float), ("n_factored", _p), ("n_raw", _p),
-                ("scheduler", _c_int)]
+                ("scheduler", _c_int), ("router", _c_int)]
 
 
 class SpanRows(ctypes.Structure):
@@ -40,6 +40,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
                                         ctypes.POINTER(ctypes.c_double)]),
     "sekv_model_free": (None, [_p]),
     "sekv_model_get_info": (None, [_p, ctypes.POINTER(ModelInfo)]),
+    "sekv_model_set_router": (ctypes.c_int, [_p, _c_int, _p, _p]),
+    "sekv_model_router_dim": (_c_int, [_p]),
+    "sekv_model_get_router": (ctypes.c_int, [_p, _p, _p]),
+    "sekv_memory_set_layer_routing": (ctypes.c_int, [_p, _c_int, _p]),
     "sekv_memory_create": (_p, [_p, ctypes.POINTER(MemoryParams)]),
     "sekv_memory_free": (None, [_p]),
     "sekv_memory_set_exact": (ctypes.c_int, [_p, _c_int, _c_int, _p, _p]),
@@ -126,6 +130,33 @@ class NativeModel(_Handle):
         self.info = info
         self.on_gpu = bool(self.lib.sekv_model_on_gpu(self.handle))
 
+    @property
+    def router_dim(self) -> int:
+        """d' of the model's learned router (read from its GGUF's sekv.* or set); 0 when it has none."""
+        return int(self.lib.sekv_model_router_dim(self.handle))
+
+    def router(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The learned router the decode graph uses: (q_proj float32 [L, D, d'], threshold_logit [L, H])."""
+        dp = self.router_dim
+        if dp == 0:
+            return None
+        i = self.info
+        q_proj = np.empty((i.n_layer, i.head_dim, dp), dtype=np.float32)
+        threshold = np.empty((i.n_layer, i.n_head), dtype=np.float32)
+        _check(self.lib, self.lib.sekv_model_get_router(self.handle, _ptr(q_proj), _ptr(threshold)), "get_router")
+        return q_proj, threshold
+
+    def set_router(self, q_proj: np.ndarray, threshold: np.ndarray) -> None:
+        """Replace the learned router: q_proj [L, D, d'], threshold_logit [L, H] (SeKV's Router parameters)."""
+        i = self.info
+        q_proj = np.ascontiguousarray(q_proj, dtype=np.float32)
+        threshold = np.ascontiguousarray(threshold, dtype=np.float32)
+        if q_proj.ndim != 3 or q_proj.shape[:2] != (i.n_layer, i.head_dim) or threshold.shape != (i.n_layer, i.n_head):
+            raise SekvError(f"native engine: router shapes {q_proj.shape}, {threshold.shape} do not fit the model "
+                            f"(q_proj [{i.n_layer}, {i.head_dim}, d'], threshold [{i.n_layer}, {i.n_head}])")
+        _check(self.lib, self.lib.sekv_model_set_router(self.handle, q_proj.shape[2], _ptr(q_proj), _ptr(threshold)),
+               "set_router")
+
     def stock_bench(self, n_context: int, n_decode: int, flash_attn: int = -1) -> tuple[float, float]:
         """Stock llama.cpp (full f16 KV) on this model: (prefill, decode) tokens/s after n_context
         ordinary tokens; flash_attn -1 = llama.cpp's default, 0 = off, 1 = on."""
@@ -164,20 +195,22 @@ class NativeMemory(_Handle):
 
     def __init__(self, model: NativeModel, exact_capacity: int, n_spans: int, span_rows: int, rank: int,
                  zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray,
-                 scheduler: bool = False) -> None:
+                 scheduler: bool = False, learned_router: bool = False) -> None:
         """n_factored, n_raw [n_layer, 2]: spans each layer stores as factors / raw, keys then values.
-        scheduler: step through ggml's multi-backend scheduler even on the CPU (a GPU model always does)."""
+        scheduler: step through ggml's multi-backend scheduler even on the CPU (a GPU model always does).
+        learned_router: route with the model's learned router (set each layer's routing keys too)."""
         self.model = model
         self.lib = model.lib
         counts = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in (n_factored, n_raw)]
         if any(c.size != 2 * model.info.n_layer for c in counts):
             raise SekvError("native engine: n_factored / n_raw need one count per layer for keys and values")
         params = MemoryParams(exact_capacity, n_spans, span_rows, rank, zoom_k, summary_bias,
-                              _ptr(counts[0]), _ptr(counts[1]), int(scheduler))
+                              _ptr(counts[0]), _ptr(counts[1]), int(scheduler), int(learned_router))
         self.handle = self.lib.sekv_memory_create(model.handle, ctypes.byref(params))
         if not self.handle:
             raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")
         self.n_spans = n_spans
+        self.router_dim = model.router_dim if learned_router else 0
         self._logits = np.empty(model.info.n_vocab, dtype=np.float32)
 
     def set_exact(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -201,6 +234,15 @@ class NativeMemory(_Handle):
         del k_keep, v_keep
         _check(self.lib, status, "set_layer_spans")
 
+    def set_layer_routing(self, layer: int, route_k: np.ndarray) -> None:
+        """route_k [KV, S, d']: the layer's unit-norm routing keys (learned router only)."""
+        route_k = _half(route_k)
+        want = (self.model.info.n_head_kv, self.n_spans, self.router_dim)
+        if not self.router_dim or route_k.shape != want:
+            raise SekvError(f"native engine: routing keys of shape {route_k.shape}, this memory takes {want}"
+                            + ("" if self.router_dim else " (it was made without the learned router)"))
+        _check(self.lib, self.lib.sekv_memory_set_layer_routing(self.handle, layer, _ptr(route_k)), "set_layer_routing")
+
     def decode(self, token: int, position: int) -> np.ndarray:
         """Logits [vocab] after `token` at `position` (a copy)."""
         _check(self.lib, self.lib.sekv_decode(self.handle, int(token), int(position), _ptr(self._logits)), "decode")
@@ -216,7 +258,8 @@ class NativeMemory(_Handle):
         return NativeBytes(d.value, h.value, c.value)
 
     def last_zoom(self, layer: int) -> np.ndarray:
-        """Spans rebuilt by `layer` in the last step, int32 [KV, k] (k = 0 when none)."""
+        """Spans rebuilt by `layer` in the last step, int32 [KV, k] (k = 0 when none; -1: a slot the
+        learned router left empty)."""
         KV = self.model.info.n_head_kv
         out = np.empty(KV * max(self.n_spans, 1), dtype=np.int32)
         k = self.lib.sekv_memory_last_zoom(self.handle, layer, _ptr(out))

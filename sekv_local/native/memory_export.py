@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import SekvError
-from .bindings import StoreRows
+from .bindings import NativeMemory, NativeModel, StoreRows
 from ..sekv.factors import FactorStore
 from ..sekv.policy import SekvCache
 
@@ -27,6 +27,7 @@ class LayerExport:
     sum_v: np.ndarray
     keys: StoreRows
     values: StoreRows
+    route_k: np.ndarray | None  # [KV, S, d'] unit-norm routing keys of the learned router (None: training-free rule)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class MemoryExport:
     span_rows: int  # l
     rank: int  # R
     layers: list[LayerExport]
+    router: tuple[np.ndarray, np.ndarray] | None  # learned router: q_proj [L, D, d'], threshold_logit [L, H]
 
     @property
     def n_exact(self) -> int:
@@ -51,8 +53,8 @@ def supported(cache: SekvCache) -> str | None:
     """Why the native engine cannot run this memory (None: it can)."""
     if cache.cfg.share_layers != 1:
         return "span factors shared across layers (sekv+xkv)"
-    if cache.router_kind != "attention":
-        return f"the '{cache.router_kind}' router (the native graph routes with the training-free 'attention' rule)"
+    if cache.router_kind not in ("attention", "projection"):
+        return f"the '{cache.router_kind}' router (the native graph routes with the 'attention' rule or the learned one)"
     if cache.cfg.positions != "original" or cache._shift:
         return "the 'bounded' position strategy"
     if cache.cfg.dtype != "f16":
@@ -141,6 +143,7 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
         shape = (positions.shape[0], 1, positions.shape[1], cos.shape[-1])
         return cache.rope.apply(x, positions, (cos.view(shape), sin.view(shape))).cpu()
 
+    learned = cache.router_kind == "projection"
     out = []
     for layer in cache.layers:
         exact_k = torch.cat([layer.exact_k.view(), layer.pend_k.view()], dim=1)
@@ -151,8 +154,41 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
         else:
             keys = store_rows(layer.fac_k, lengths, starts, rows, rank, values=False, rotate=rotate)
             values = store_rows(layer.fac_v, lengths, starts, rows, rank, values=True)
+        route_k = layer.route_k.view().cpu().half().numpy() if learned else None
         out.append(LayerExport(exact_k.cpu().half().numpy(), exact_v.cpu().half().numpy(),
                                layer.sum_k.view().cpu().half().numpy(), layer.sum_v.view().cpu().half().numpy(),
-                               keys, values))
+                               keys, values, route_k))
+    router = None
+    if learned:
+        router = (cache.router.q_proj.detach().float().cpu().numpy(),
+                  cache.router.threshold_logit.detach().float().cpu().numpy())
     return MemoryExport(cache.span_pos.view().cpu().numpy().astype(np.int32), lengths.numpy().astype(np.int32),
-                        rows, rank, out)
+                        rows, rank, out, router)
+
+
+def native_memory(model: NativeModel, cache: SekvCache, room: int, decompress: bool = False,
+                  scheduler: bool = False) -> NativeMemory:
+    """A native memory holding `cache` with `room` exact rows free for decoding. With the learned router,
+    the model routes with the cache's router parameters: the ones it read from its GGUF when they are the
+    same, else they are set from here (a packaged or freshly trained router)."""
+    exported = export_memory(cache, decompress=decompress)
+    factored, raw = exported.store_counts()
+    S = len(exported.span_len)
+    if exported.router is not None:
+        have = model.router()
+        if have is None or any(a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(have, exported.router)):
+            model.set_router(*exported.router)
+    memory = NativeMemory(model, exported.n_exact + room, S, exported.span_rows, exported.rank,
+                          cache.zoom_k if S else 0, cache.cfg.summary_bias, factored, raw, scheduler=scheduler,
+                          learned_router=exported.router is not None)
+    try:
+        memory.set_spans(exported.span_start, exported.span_len)
+        for i, layer in enumerate(exported.layers):
+            memory.set_exact(i, layer.exact_k, layer.exact_v)
+            memory.set_layer_spans(i, layer.sum_k, layer.sum_v, layer.keys, layer.values)
+            if layer.route_k is not None:
+                memory.set_layer_routing(i, layer.route_k)
+    except SekvError:
+        memory.close()
+        raise
+    return memory
