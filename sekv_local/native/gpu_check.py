@@ -31,12 +31,28 @@ def log(line: str) -> None:
     print(line, flush=True)
 
 
-def parity(model_under_test: NativeModel, reference: NativeModel, scheduler: bool) -> list[dict]:
+def set_random_router(models: list[NativeModel], routing_dim: int = 32, seed: int = 3) -> None:
+    """The same random learned router on every model, its thresholds around the logits a span of 64 rows
+    gets here (log 64 plus a small q'.k'), so some top-k slots are filled and some left empty."""
+    info = models[0].info
+    rng = np.random.default_rng(seed)
+    q_proj = rng.standard_normal((info.n_layer, info.head_dim, routing_dim)) / np.sqrt(info.head_dim)
+    threshold = np.log(64) + rng.uniform(-0.05, 0.15, size=(info.n_layer, info.n_head))
+    for model in models:
+        model.set_router(q_proj, threshold)
+
+
+def parity(model_under_test: NativeModel, reference: NativeModel, scheduler: bool,
+           learned_router: bool = False) -> list[dict]:
     """Same synthetic memory (seeded) and tokens on both models; per step: KL(reference || tested),
-    max |dlogit|, both argmaxes, and the share of zoomed (layer, KV head, span) choices they share."""
+    max |dlogit|, both argmaxes, and the share of zoomed (layer, KV head, span) choices they share
+    (with the learned router: a slot it left empty counts as the choice -1)."""
     shape = probe.MemoryShape(2048, zoom_k=16)
-    tested = probe.synthetic_memory(model_under_test, shape, room=PARITY_STEPS + 2, seed=1, scheduler=scheduler)
-    ref = probe.synthetic_memory(reference, shape, room=PARITY_STEPS + 2, seed=1)
+    if learned_router:
+        set_random_router([model_under_test, reference])
+    tested = probe.synthetic_memory(model_under_test, shape, room=PARITY_STEPS + 2, seed=1, scheduler=scheduler,
+                                    learned_router=learned_router)
+    ref = probe.synthetic_memory(reference, shape, room=PARITY_STEPS + 2, seed=1, learned_router=learned_router)
     tokens = np.random.default_rng(2).integers(1000, reference.info.n_vocab, size=PARITY_STEPS)
     steps = []
     for i, token in enumerate(tokens):
@@ -49,7 +65,8 @@ def parity(model_under_test: NativeModel, reference: NativeModel, scheduler: boo
                 for h, row in enumerate(tested.last_zoom(layer)) for s in row}
         steps.append({"kl": float((p * (np.log(p + 1e-30) - np.log(q + 1e-30))).sum()),
                       "max_dlogit": float(np.abs(a - b).max()), "argmax": [int(a.argmax()), int(b.argmax())],
-                      "zoom_agreement": len(picked & same) / max(len(picked), 1)})
+                      "zoom_agreement": len(picked & same) / max(len(picked), 1),
+                      "empty_slots": int(sum((ref.last_zoom(layer) < 0).sum() for layer in range(reference.info.n_layer)))})
     tested.close()
     ref.close()
     return steps
@@ -85,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     reference = NativeModel(gguf, args.threads)
     log(f"model: {gguf.name}, tested on {'GPU' if tested.on_gpu else 'CPU (scheduler path)'}, reference on CPU")
 
-    steps = parity(tested, reference, scheduler=not cuda)
+    steps = []
+    for learned in (False, True):
+        router = "learned router" if learned else "training-free router"
+        for s in parity(tested, reference, scheduler=not cuda, learned_router=learned):
+            steps.append({**s, "router": router})
+            log(f"parity ({router}): KL {s['kl']:.2e}, max |dlogit| {s['max_dlogit']:.4f}, argmax {s['argmax']}, "
+                f"zoom agreement {s['zoom_agreement']:.3f}, empty slots {s['empty_slots']}")
     report["parity"] = steps
-    for s in steps:
-        log(f"parity: KL {s['kl']:.2e}, max |dlogit| {s['max_dlogit']:.4f}, argmax {s['argmax']}, "
-            f"zoom agreement {s['zoom_agreement']:.3f}")
     reference.close()
 
     results = probe.probe(tested, contexts, args.new_tokens, args.repeats, zoom_k=16, progress=log)

@@ -55,15 +55,16 @@ class MemoryShape:
 
 
 def synthetic_memory(model: NativeModel, shape: MemoryShape, room: int, seed: int = 0,
-                     scheduler: bool = False) -> NativeMemory:
-    """A native memory of `shape` with random values (every span stored as rows), `room` free exact rows."""
+                     scheduler: bool = False, learned_router: bool = False) -> NativeMemory:
+    """A native memory of `shape` with random values (every span stored as rows), `room` free exact rows;
+    learned_router: route with the model's router (random unit-norm routing keys)."""
     info = model.info
     L, KV, D = info.n_layer, info.n_head_kv, info.head_dim
     S, l, E = shape.n_spans, shape.span_rows, shape.n_exact
     rng = np.random.default_rng(seed)
     counts = np.zeros((L, 2), dtype=np.int32)
     memory = NativeMemory(model, E + room, S, l, 1, min(shape.zoom_k, S), 1.0, counts, counts + S,
-                          scheduler=scheduler)
+                          scheduler=scheduler, learned_router=learned_router)
     starts = shape.n_sink + np.arange(S, dtype=np.int32) * l
     memory.set_spans(starts, np.full(S, l, dtype=np.int32))
 
@@ -76,9 +77,15 @@ def synthetic_memory(model: NativeModel, shape: MemoryShape, room: int, seed: in
     is_raw = np.ones(S, dtype=np.int32)
     keys = StoreRows(is_raw, empty, empty, block(S, KV, l, D))
     values = StoreRows(is_raw, empty, empty, block(S, KV, D, l))
+    route_k = None
+    if learned_router:
+        route_k = rng.standard_normal((KV, S, model.router_dim))
+        route_k /= np.linalg.norm(route_k, axis=-1, keepdims=True)
     for layer in range(L):
         memory.set_exact(layer, exact_k, exact_v)
         memory.set_layer_spans(layer, sum_k, sum_v, keys, values)
+        if route_k is not None:
+            memory.set_layer_routing(layer, route_k)
     return memory
 
 
