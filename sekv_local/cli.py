@@ -255,6 +255,9 @@ def chat(file: Path, no_tui: bool, **kw: Any) -> None:
               help="Write the PNG plots here instead of --out (e.g. docs/img/NAME); summary.md links them.")
 @click.option("--option", multiple=True, metavar="METHOD:KEY=VALUE",
               help="A method setting, e.g. sekv:zoom_k=32 (repeatable).")
+@click.option("--shared-prefill", is_flag=True,
+              help="With --engine torch,llama.cpp: the llama.cpp engine adopts the torch engine's memory of each "
+                   "document (its prefill is the torch engine's anyway), so each document is read once.")
 def bench(**kw: Any) -> None:
     """Run a task grid (methods x budgets x tasks x lengths x samples) and write results.json,
     summary.md and plots."""

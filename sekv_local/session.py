@@ -145,6 +145,25 @@ class Session:
             f"are available ({source}). A document of up to about {fits} tokens fits; or use a method without a "
             f"host tier (--method snapkv or streaming), or free memory.")
 
+    def adopt(self, source: "Session") -> None:
+        """Take `source`'s memory of the same document instead of reading it again: the state right after
+        its ingest (its conversation is rolled back first), copied. This engine must import `source`'s
+        engine state: the llama.cpp engine takes the torch engine's, whose prefill it runs anyway."""
+        if not source.ingested:
+            raise SekvError("the session to adopt from has not read its document")
+        if source.document.sha256 != self.document.sha256:
+            raise SekvError(f"cannot adopt the memory of {source.document.name}: it is another document")
+        source.reset_conversation()
+        tensors, meta = source.engine.export_state()
+        self.engine.reset()
+        self.engine.import_state({k: v.clone() for k, v in tensors.items()}, meta)
+        self.turns.clear()
+        self.answers.clear()
+        self.document_tokens = source.document_tokens
+        self._prefix_tokens = source._prefix_tokens
+        self.ingest_s = source.ingest_s
+        self._after_document = self.engine.mark()
+
     @property
     def ingested(self) -> bool:
         return self._after_document is not None

@@ -313,15 +313,43 @@ def test_llama_cpp_engine_answers_like_torch(tokenizer, library, monkeypatch) ->
     monkeypatch.setattr(llama_cpp_sekv, "DECODE_ROOM", 8)
     sample = generate_sample("niah_multikey", 2000, seed=11, count_tokens=tokenizer.count, depth=0.3)
     reference, native = session("torch", sample.document, tokenizer), session("llama.cpp", sample.document, tokenizer)
+    answers = []
     for question in (sample.questions[0].text, "Write one sentence about the text above."):
         a, b = reference.answer(question), native.answer(question)
         print(f"\ntorch: {a.text!r}\nllama.cpp: {b.text!r}")
         assert a.text == b.text
         assert b.n_tokens > 8  # at least one fold-back happened
+        answers.append(b.text)
     memory = native.engine.memory()
     assert memory.device_peak_bytes <= 0.25 * memory.full_kv_bytes
     assert memory.host_bytes > memory.device_bytes
     assert native.engine.observations()["zoomed"]
+    # a llama.cpp session adopting the torch session's memory (bench --shared-prefill) answers as one that read
+    # the document itself, and the torch session's conversation is rolled back first
+    adopted = Session(native.engine, native.document, native.settings, native.model_path)
+    adopted.adopt(reference)
+    assert adopted.document_tokens == native.document_tokens and not reference.turns
+    assert [adopted.answer(q).text for q in (sample.questions[0].text,)] == answers[:1]
+    with pytest.raises(SekvError, match="another document"):
+        Session(native.engine, Document.from_text("other text"), native.settings, native.model_path).adopt(reference)
+
+
+@pytest.mark.slow
+def test_bench_shares_the_torch_prefill_with_the_llama_cpp_engine(tmp_path, library) -> None:
+    out = tmp_path / "bench"
+    proc = run_cli("bench", "--tasks", "niah_single", "--lengths", "1k", "--samples", "2", "--engine", "torch,llama.cpp",
+                   "--method", "sekv", "--budgets", "0.5", "--threads", "2", "--shared-prefill", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert [(r["engine"], r["sample"]) for r in records] == [("torch", 0), ("llama.cpp", 0), ("torch", 1), ("llama.cpp", 1)]
+    for torch_row, native_row in zip(records[::2], records[1::2]):
+        assert "ingest_shared_from" not in torch_row and native_row["ingest_shared_from"] == "torch"
+        # the llama.cpp engine prefilled only the question: the document came with the adopted memory
+        assert native_row["prefill_tokens"] < 100 < torch_row["prefill_tokens"]
+        assert native_row["n_tokens"] == torch_row["n_tokens"]
+    refused = run_cli("bench", "--engine", "llama.cpp", "--method", "sekv", "--budgets", "0.5", "--shared-prefill",
+                      "--out", str(tmp_path / "x"))
+    assert refused.returncode != 0 and "--engine torch,llama.cpp" in refused.stderr
 
 
 def test_llama_cpp_engine_refuses_other_methods(model_path, tokenizer) -> None:

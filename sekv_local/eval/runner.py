@@ -28,6 +28,8 @@ MAX_NEW_TOKENS = {"niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64,
                   "variable_tracking": 48, "common_words": 96, "doc_qa": 24, "multiturn_niah": 24}
 #: methods the stock llama.cpp engine can run
 STOCK_METHODS = ("full", "quant-q8_0", "quant-q4_0")
+#: --shared-prefill: the engine whose ingested memory the other adopts
+SHARED_PREFILL_SOURCE, SHARED_PREFILL_TARGET = "torch", "llama.cpp"
 #: methods that keep everything and therefore take no budget
 UNBUDGETED = ("full", "quant-q8_0", "quant-q4_0", "quant")
 
@@ -48,6 +50,9 @@ class BenchConfig:
     command: str = ""
     plots_dir: str | None = None
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the llama.cpp engine adopts the torch engine's ingested memory of the same cell (its prefill is the
+    # torch engine's): cells run engine after engine, sample by sample, and each document is read once
+    shared_prefill: bool = False
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -57,11 +62,15 @@ class BenchConfig:
             raise SekvError("bench needs at least one task, length, engine and method")
         for method in self.methods:
             split_variant(method)  # a malformed variant fails here, before any work
+        if self.shared_prefill and not {SHARED_PREFILL_SOURCE, SHARED_PREFILL_TARGET} <= set(self.engines):
+            raise SekvError(f"--shared-prefill lets the {SHARED_PREFILL_TARGET} engine reuse the {SHARED_PREFILL_SOURCE} "
+                            f"engine's prefill: run both (--engine {SHARED_PREFILL_SOURCE},{SHARED_PREFILL_TARGET})")
 
     @classmethod
     def from_cli(cls, tasks: str, lengths: str, samples: int, engines: str, methods_: str, budgets: str, model: str,
                  seed: int, threads: int | None, chunk_size: int, out: Path, quick: bool, command: str,
-                 option: tuple[str, ...] = (), plots_dir: Path | None = None) -> "BenchConfig":
+                 option: tuple[str, ...] = (), plots_dir: Path | None = None,
+                 shared_prefill: bool = False) -> "BenchConfig":
         def split(text: str) -> list[str]:
             return [p.strip() for p in text.split(",") if p.strip()]
 
@@ -75,7 +84,7 @@ class BenchConfig:
         return cls(tasks=split(tasks), lengths=length_list, samples=samples, engines=split(engines),
                    methods=split(methods_), budgets=budget_list or [None], model=model, seed=seed, threads=threads,
                    chunk_size=chunk_size, out=str(out), command=command, method_options=parse_method_options(option),
-                   plots_dir=str(plots_dir) if plots_dir else None)
+                   plots_dir=str(plots_dir) if plots_dir else None, shared_prefill=shared_prefill)
 
     def options_of(self, method: str) -> dict[str, Any]:
         """Options of a method label: --option settings of its base method, then the variant's own."""
@@ -151,11 +160,17 @@ def _prompt_overhead(prompt: PromptBuilder) -> int:
 
 
 def run_sample(engine: Engine, sample: Sample, settings: SessionSettings, model_path: Path,
-               max_new_tokens: int) -> list[dict[str, Any]]:
-    """Ingest one sample's document, ask its questions in turn (multi-turn keeps the conversation)."""
+               max_new_tokens: int, adopt_from: Session | None = None) -> tuple[list[dict[str, Any]], Session]:
+    """Ingest one sample's document (or adopt `adopt_from`'s memory of it), ask its questions in turn
+    (multi-turn keeps the conversation). Returns the records and the session."""
     session = Session(engine, Document.from_text(sample.document), settings, model_path)
     engine.reset_stats()
-    session.ingest()
+    if adopt_from is not None:
+        session.adopt(adopt_from)
+    else:
+        session.ingest()
+    # an adopted memory cost this engine nothing to read: its prefill numbers count the questions only
+    ingest_s = session.ingest_s if adopt_from is None else 0.0
     records = []
     for turn, question in enumerate(sample.questions):
         answer = session.answer(question.text, max_new_tokens=max_new_tokens)
@@ -165,14 +180,15 @@ def run_sample(engine: Engine, sample: Sample, settings: SessionSettings, model_
             "depth": question.meta.get("depth", sample.meta.get("depth")),
             "score": score(answer.text, question), "prediction": answer.text, "answers": question.answers,
             "n_tokens": session.document_tokens + answer.prompt_tokens,
-            "prefill_s": session.ingest_s + answer.prefill_s if turn == 0 else answer.prefill_s,
+            "prefill_s": ingest_s + answer.prefill_s if turn == 0 else answer.prefill_s,
             "prefill_tokens": engine.stats.prefill_tokens if turn == 0 else answer.prompt_tokens,
             "decode_s": answer.decode_s, "decode_tokens": answer.n_tokens,
             "device_bytes": mem["device_bytes"], "device_peak_bytes": mem["device_peak_bytes"],
             "host_bytes": mem["host_bytes"], "full_kv_bytes": mem["full_kv_bytes"],
             **({"engine_notes": list(engine.notices)} if engine.notices else {}),
+            **({"ingest_shared_from": adopt_from.settings.engine} if adopt_from is not None else {}),
         })
-    return records
+    return records, session
 
 
 def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path]:
@@ -210,10 +226,14 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
                         if _cell_key(engine_name, method, budget, task, length, i,
                                      config.options_of(method)) not in done:
                             plan.append((engine_name, method, budget, length, task, i))
+    if config.shared_prefill:  # cell by cell, the source engine right before the target
+        groups = list(config.method_budgets())
+        plan.sort(key=lambda c: (groups.index((c[1], c[2])), config.lengths.index(c[3]), config.tasks.index(c[4]),
+                                 c[5], config.engines.index(c[0])))
     bar = tqdm(total=len(plan), desc="bench", unit="sample", disable=not show_progress, file=sys.stderr,
                dynamic_ncols=True)
-    engine: Engine | None = None
-    engine_key = None
+    engines: dict[str, tuple[Any, Engine]] = {}  # engine name -> (key, engine): the live ones
+    source: tuple[Any, Session] | None = None  # the last cell the source engine ran, for the target to adopt
     scores: list[float] = []
     for engine_name, method, budget, length, task, i in plan:
         base_method = split_variant(method)[0]
@@ -232,14 +252,21 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
         cell = {"engine": engine_name, "method": method, "budget": budget, "model": config.model,
                 "method_options": config.options_of(method), "task": task, "length": length,
                 "sample": i}
+        cell_id = (method, budget, length, task, i)
         try:
-            if key != engine_key:
-                engine, engine_key = None, None
-                engine = create_engine(engine_name, model_path, tokenizer, EngineOptions(
+            if engines.get(engine_name, (None,))[0] != key:
+                if not config.shared_prefill:
+                    engines.clear()  # one engine alive at a time
+                engines.pop(engine_name, None)
+                engines[engine_name] = (key, create_engine(engine_name, model_path, tokenizer, EngineOptions(
                     method=base_method, budget=budget, threads=config.threads, chunk_size=config.chunk_size,
-                    method_options=options))
-                engine_key = key
-            records = run_sample(engine, sample, settings, model_path, MAX_NEW_TOKENS.get(task, 32))
+                    method_options=options)))
+            adopt = source[1] if (config.shared_prefill and engine_name == SHARED_PREFILL_TARGET and source
+                                  and source[0] == cell_id) else None
+            records, session = run_sample(engines[engine_name][1], sample, settings, model_path,
+                                          MAX_NEW_TOKENS.get(task, 32), adopt_from=adopt)
+            if config.shared_prefill and engine_name == SHARED_PREFILL_SOURCE:
+                source = (cell_id, session)
         except BudgetError as exc:  # the method cannot run at this budget and length: say so in the report
             results["refused"].append({**cell, "reason": str(exc)})
             records = []
