@@ -231,7 +231,7 @@ def test_parity_with_the_learned_router_read_from_the_gguf(f32_model_with_router
 
 
 def test_a_malformed_router_in_the_gguf_fails_the_load(model_path, library, tmp_path) -> None:
-    from converters.bake import _write_copy
+    from sekv_local.converters.bake import _write_copy
     from sekv_local.models.gguf_file import GGUFModelFile
     from sekv_local.sekv.router_file import PREFIX, gguf_entries
 
