@@ -27,6 +27,17 @@ void free_router(sekv_model * m) {
     m->router_dim = 0;
 }
 
+// per layer, src [rows][cols] -> dst [cols][rows]
+void transpose_layers(const float * src, float * dst, int64_t L, int64_t rows, int64_t cols) {
+    for (int64_t il = 0; il < L; ++il) {
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < cols; ++c) {
+                dst[(il * cols + c) * rows + r] = src[(il * rows + r) * cols + c];
+            }
+        }
+    }
+}
+
 bool all_finite(const float * x, size_t n) {
     for (size_t i = 0; i < n; ++i) {
         if (!std::isfinite(x[i])) return false;
@@ -147,13 +158,7 @@ int sekv_model_set_router(sekv_model * m, int32_t routing_dim, const float * q_p
     // the router is part of the model (like its weights), not of any one document's memory
     ggml_backend_buffer_set_usage(m->router_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     std::vector<float> transposed((size_t) (L * D * dp));
-    for (int64_t il = 0; il < L; ++il) {
-        for (int64_t d = 0; d < D; ++d) {
-            for (int64_t j = 0; j < dp; ++j) {
-                transposed[(size_t) ((il * dp + j) * D + d)] = q_proj[(il * D + d) * dp + j];
-            }
-        }
-    }
+    transpose_layers(q_proj, transposed.data(), L, D, dp);
     ggml_backend_tensor_set(m->router_q, transposed.data(), 0, transposed.size() * sizeof(float));
     ggml_backend_tensor_set(m->router_thr, threshold, 0, (size_t) (L * H) * sizeof(float));
     m->router_dim = routing_dim;
@@ -171,13 +176,7 @@ int sekv_model_get_router(const sekv_model * m, float * q_proj, float * threshol
     const int64_t L = info.n_layer, D = info.head_dim, H = info.n_head, dp = m->router_dim;
     std::vector<float> transposed((size_t) (L * D * dp));
     ggml_backend_tensor_get(m->router_q, transposed.data(), 0, transposed.size() * sizeof(float));
-    for (int64_t il = 0; il < L; ++il) {
-        for (int64_t d = 0; d < D; ++d) {
-            for (int64_t j = 0; j < dp; ++j) {
-                q_proj[(il * D + d) * dp + j] = transposed[(size_t) ((il * dp + j) * D + d)];
-            }
-        }
-    }
+    transpose_layers(transposed.data(), q_proj, L, dp, D);
     ggml_backend_tensor_get(m->router_thr, threshold, 0, (size_t) (L * H) * sizeof(float));
     return 0;
 }
