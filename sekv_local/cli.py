@@ -16,6 +16,7 @@ from .engines.factory import ENGINES
 from .cache.budget import parse_budget
 from .errors import Interrupted, SekvError
 from .models import registry
+from .method_variant import split_variant
 from .session import Session, SessionSettings
 
 
@@ -35,7 +36,9 @@ def session_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True,
                      help="Registry name or path to a .gguf file."),
         click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True),
-        click.option("--method", default="full", show_default=True, help="KV cache method (see `sekv-local methods`)."),
+        click.option("--method", default="full", show_default=True,
+                     help="KV cache method (see `sekv-local methods`); settings as METHOD@KEY=VALUE, e.g. "
+                          "sekv@positions=bounded for documents longer than the model's trained context."),
         click.option("--budget", callback=_parse_budget, help="Device-tier budget: fraction (0.25, 25%) or bytes (64MiB)."),
         click.option("--threads", type=click.IntRange(1, 256), help="CPU threads (default: all cores)."),
         click.option("--max-new-tokens", type=click.IntRange(1, 8192), default=256, show_default=True),
@@ -55,10 +58,12 @@ def session_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _settings(kw: dict[str, Any]) -> SessionSettings:
+    method, options = split_variant(kw["method"])
     return SessionSettings(
-        model=kw["model"], engine=kw["engine"], method=kw["method"], budget=kw["budget"], threads=kw["threads"],
+        model=kw["model"], engine=kw["engine"], method=method, budget=kw["budget"], threads=kw["threads"],
         chunk_size=kw["chunk_size"], device=kw["device"], max_new_tokens=kw["max_new_tokens"],
-        sampling=SamplingConfig(temperature=kw["temperature"], seed=kw["seed"]))
+        sampling=SamplingConfig(temperature=kw["temperature"], seed=kw["seed"]),
+        method_options=tuple(sorted(options.items())))
 
 
 def _open_session(file: Path, kw: dict[str, Any], quiet: bool) -> Session:

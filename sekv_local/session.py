@@ -116,7 +116,7 @@ class Session:
                 f"{self.document.name} is {len(doc_ids)} tokens; with the prompt and room for an answer that is "
                 f"{needed} tokens, but engine '{self.settings.engine}' with method '{self.settings.method}' holds at "
                 f"most {limit} (model trained context {self.engine.config.context_length}). "
-                f"{_fitting_advice(len(doc_ids), limit)}")
+                f"{_fitting_advice(needed, limit, self.engine.config.context_length)}")
         self.engine.reset()
         self.engine.reserve(len(prefix) + len(doc_ids))  # budgets are fractions of the document's full KV
         self._check_host_memory(len(prefix) + len(doc_ids) + ANSWER_RESERVE, len(doc_ids))
@@ -329,11 +329,14 @@ class Session:
         return self.answers[-1]
 
 
-def _fitting_advice(doc_tokens: int, limit: int) -> str:
-    from .cache import available_policies
-
-    compressing = [m for m in available_policies() if m != "full"]
-    if compressing:
-        return (f"Use a compressing method with the torch engine (--engine torch --method {compressing[0]} "
-                f"--budget 0.25; available: {', '.join(compressing)}) or a shorter document.")
-    return f"Use a shorter document (at most about {max(0, limit - ANSWER_RESERVE - 64)} tokens)."
+def _fitting_advice(needed: int, limit: int, trained_context: int) -> str:
+    """What lets a document of `needed` tokens run when the engine and method hold `limit`."""
+    shorter = f"or a shorter document (at most about {max(0, limit - ANSWER_RESERVE - 64)} tokens)."
+    if needed > trained_context:
+        # every method but SeKV with bounded positions stops at the trained context: RoPE beyond it is
+        # out of distribution, and only SeKV stores pre-RoPE keys it can re-place inside the window
+        longer_model = "a model trained for longer contexts (--model gemma3-270m: 32K), " \
+            if trained_context < 32768 else ""
+        return ("Beyond the model's trained context use SeKV with its memory placed inside that window "
+                f"(--engine torch --method sekv@positions=bounded --budget 0.25), {longer_model}{shorter}")
+    return f"Use an engine and method that hold the model's trained context ({trained_context} tokens) {shorter}"

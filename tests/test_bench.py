@@ -57,6 +57,16 @@ def test_bench_records_a_budget_the_method_refuses_and_goes_on(tmp_path: Path, m
     assert len(json.loads(paths["results"].read_text())["refused"]) == 1
 
 
+def test_bench_records_a_length_beyond_the_method_and_goes_on(tmp_path: Path, model_path) -> None:
+    from sekv_local.eval.runner import run_bench
+
+    config = BenchConfig(tasks=["niah_single"], lengths=[9216], samples=1, engines=["torch"], methods=["full"],
+                         threads=2, out=str(tmp_path / "b"))
+    results = json.loads(run_bench(config, show_progress=False)["results"].read_text())
+    assert results["records"] == []
+    assert len(results["refused"]) == 1 and "8192" in results["refused"][0]["reason"]
+
+
 def test_bench_config_validation() -> None:
     with pytest.raises(SekvError, match="unknown task"):
         BenchConfig(tasks=["nope"], lengths=[1024], samples=1, engines=["torch"], methods=["full"])

@@ -79,6 +79,17 @@ def test_too_long_document_says_how_long(tmp_path: Path, model_path) -> None:
     proc = run_cli("ask", str(path), "What colour is the sky?", timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "tokens" in proc.stderr and "8192" in proc.stderr
+    assert "--method sekv@positions=bounded" in proc.stderr  # the one method that holds it on this model
+
+
+def test_method_settings_on_the_command_line_are_checked(short_doc: Path) -> None:
+    proc = run_cli("ask", str(short_doc), "q?", "--method", "sekv@positions", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "must look like METHOD@KEY=VALUE" in proc.stderr
+    proc = run_cli("ask", str(short_doc), "q?", "--method", "sekv@positions=sideways", "--budget", "0.25",
+                   timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "positions must be one of" in proc.stderr
 
 
 def test_unknown_model_and_bad_budget_are_clear_errors(short_doc: Path) -> None:

@@ -86,6 +86,11 @@ def test_too_long_document_is_refused_with_numbers(model_path, tokenizer) -> Non
     message = str(err.value)
     assert "tokens" in message and "8192" in message
     assert s.engine.n_tokens == 0  # refused before any work
+    assert "sekv@positions=bounded" in message
+    bounded = Session.create(Document.from_text(text), SessionSettings(
+        threads=2, method="sekv", budget=0.25, method_options=(("positions", "bounded"),)),
+        show_progress=False, tokenizer=tokenizer)
+    assert bounded.engine.max_context() > 2 * 8192  # SeKV re-places its memory inside the trained window
 
 
 def test_empty_question_is_refused(session: Session) -> None:

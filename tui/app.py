@@ -519,7 +519,9 @@ class ChatApp(App[None]):
         if arg != "full" and budget is None and self.settings.engine == "torch":
             budget = 0.25
             self._note("using budget 25% (change it with /budget)")
-        self._reopen(replace(self.settings, method=arg, budget=budget if arg != "full" else None))
+        options = self.settings.method_options if arg == self.settings.method else ()  # settings are per method
+        self._reopen(replace(self.settings, method=arg, budget=budget if arg != "full" else None,
+                             method_options=options))
 
     def _methods(self) -> list[str]:
         if self.settings.engine == "torch":

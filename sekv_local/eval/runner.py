@@ -14,7 +14,8 @@ from ..cache.budget import parse_budget
 from ..documents import Document
 from ..engines import EngineOptions, create_engine
 from ..engines.base import Engine
-from ..errors import BudgetError, SekvError
+from ..errors import BudgetError, DocumentError, SekvError
+from ..method_variant import parse_method_options, split_variant  # noqa: F401 (re-exported)
 from ..models.prompt import PromptBuilder
 from ..models.registry import resolve_model
 from ..models.tokenizer import Tokenizer
@@ -105,40 +106,6 @@ def method_budgets(methods: list[str], budgets: list[float | int | None]) -> Ite
                 if budget is None:
                     raise SekvError(f"method '{method}' needs --budgets")
                 yield method, budget
-
-
-def _option_value(text: str) -> Any:
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
-def split_variant(label: str) -> tuple[str, dict[str, Any]]:
-    """A method variant for one run: "xkv@group=2@energy=0.9" -> ("xkv", {"group": 2, "energy": 0.9}).
-    The whole label names the variant's rows in the report."""
-    base, *assignments = label.split("@")
-    options: dict[str, Any] = {}
-    for assignment in assignments:
-        key, eq, value = assignment.partition("=")
-        if not eq or not key.strip():
-            raise SekvError(f"method variant '{label}' must look like METHOD@KEY=VALUE (e.g. xkv@group=2)")
-        options[key.strip()] = _option_value(value.strip())
-    return base.strip(), options
-
-
-def parse_method_options(items: tuple[str, ...] | list[str]) -> dict[str, dict[str, Any]]:
-    """["sekv:zoom_k=32", "sekv:energy=0.95"] -> {"sekv": {"zoom_k": 32, "energy": 0.95}}."""
-    options: dict[str, dict[str, Any]] = {}
-    for item in items:
-        method, sep, assignment = item.partition(":")
-        key, eq, value = assignment.partition("=")
-        if not sep or not eq or not method or not key:
-            raise SekvError(f"--option '{item}' must look like METHOD:KEY=VALUE (e.g. sekv:zoom_k=32)")
-        options.setdefault(method.strip(), {})[key.strip()] = _option_value(value.strip())
-    return options
 
 
 def _cell_key(engine: str, method: str, budget: float | None, task: str, length: int, sample: int,
@@ -267,7 +234,7 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
                                           MAX_NEW_TOKENS.get(task, 32), adopt_from=adopt)
             if config.shared_prefill and engine_name == SHARED_PREFILL_SOURCE:
                 source = (cell_id, session)
-        except BudgetError as exc:  # the method cannot run at this budget and length: say so in the report
+        except (BudgetError, DocumentError) as exc:  # cannot run at this budget or length: say so in the report
             results["refused"].append({**cell, "reason": str(exc)})
             records = []
         for r in records:
