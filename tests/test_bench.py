@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from sekv_local.errors import SekvError
-from sekv_local.eval.runner import BenchConfig, parse_method_options, split_variant
+from sekv_local.eval.runner import BenchConfig
+from sekv_local.method_variant import parse_method_options, split_variant
 
 
 @pytest.mark.slow

@@ -21,7 +21,8 @@ from ..engines import EngineOptions, create_engine
 from ..errors import SekvError
 from ..models.registry import resolve_model
 from ..models.tokenizer import Tokenizer
-from .runner import method_budgets, split_variant
+from ..method_variant import split_variant
+from .runner import method_budgets
 from .tasks import natural_text
 
 

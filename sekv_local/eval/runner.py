@@ -15,7 +15,7 @@ from ..documents import Document
 from ..engines import EngineOptions, create_engine
 from ..engines.base import Engine
 from ..errors import BudgetError, DocumentError, SekvError
-from ..method_variant import parse_method_options, split_variant  # noqa: F401 (re-exported)
+from ..method_variant import parse_method_options, split_variant
 from ..models.prompt import PromptBuilder
 from ..models.registry import resolve_model
 from ..models.tokenizer import Tokenizer

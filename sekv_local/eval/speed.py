@@ -20,7 +20,7 @@ from ..engines.factory import create_engine
 from ..errors import SekvError
 from ..models.registry import resolve_model
 from ..models.tokenizer import Tokenizer
-from .runner import split_variant
+from ..method_variant import split_variant
 from .tasks import natural_text
 
 
