@@ -253,3 +253,23 @@ def test_turn_section_only_for_multi_turn_records():
     assert lines[0] == "## Accuracy by conversation turn"
     assert "| turn 1 % | turn 2 % | turn 3 % |" in lines[2]
     assert lines[4] == "| torch | full | - | multiturn_niah | 4k | 2 | 100.0 | 100.0 | 50.0 |"
+
+
+def test_agreement_pairs_the_same_questions_across_engines():
+    assert report.agreement_section(synthetic_records()) == []  # one engine: nothing to compare
+    records = []
+    for s in range(4):  # native answers differently on sample 3 (wrong) and words sample 2 differently
+        records.append(rec(method="sekv", budget=0.25, sample=s, seed=10 + s, score=1.0, prediction=f"a{s}"))
+        native_text = f"a{s}" if s < 2 else f"b{s}"
+        records.append(rec(engine="llama.cpp", method="sekv", budget=0.25, sample=s, seed=10 + s,
+                           score=0.0 if s == 3 else 1.0, prediction=native_text))
+    records.append(rec(method="sekv", budget=0.25, sample=4, seed=14))  # torch only: not paired
+    rows = report.engine_agreement(records)
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["engine_a"], row["engine_b"], row["n"]) == ("torch", "llama.cpp", 4)  # the order of the run
+    assert (row["accuracy_a"], row["accuracy_b"]) == (100.0, 75.0)
+    assert (row["identical"], row["same_verdict"]) == (2, 3)
+    lines = report.agreement_section(records)
+    assert lines[0] == "## Engines on the same questions"
+    assert lines[4] == "| sekv | 25% | torch vs llama.cpp | 4 | 100.0 | 75.0 | -25.0 | 2 / 4 | 3 / 4 |"

@@ -405,6 +405,51 @@ def turn_section(records: list[Record]) -> list[str]:
     return ["## Accuracy by conversation turn", "", *_md_table(header, body, right_from=5), ""]
 
 
+def _paired_by_engine(records: Sequence[Record]) -> dict[tuple, dict[str, Record]]:
+    """{(model, method, budget, task, length, sample, seed, turn): {engine: record}}: the same question
+    to several engines."""
+    pairs: dict[tuple, dict[str, Record]] = defaultdict(dict)
+    for r in records:
+        key = (r.get("model"), r["method"], r.get("budget"), r["task"], r["length"], r.get("sample"), r.get("seed"),
+               r.get("turn"))
+        pairs[key][r["engine"]] = r
+    return pairs
+
+
+def engine_agreement(records: Sequence[Record]) -> list[dict]:
+    """Engines compared on the questions both answered: one row per (model, method, budget, engine A,
+    engine B) with ``n`` questions, ``accuracy_a``/``accuracy_b`` (%) on those questions, ``identical``
+    (same answer text) and ``same_verdict`` (same score). Empty when no question went to two engines."""
+    first_seen = {e: i for i, e in reversed(list(enumerate(r["engine"] for r in records)))}
+    groups: dict[tuple, list[tuple[Record, Record]]] = defaultdict(list)
+    for key, by_engine in _paired_by_engine(records).items():
+        engines = sorted(by_engine, key=first_seen.__getitem__)  # A = the engine the run asked for first
+        for i, a in enumerate(engines):
+            for b in engines[i + 1:]:
+                groups[(key[0], key[1], key[2], a, b)].append((by_engine[a], by_engine[b]))
+    rows = []
+    for (model, method, budget, a, b), pairs in sorted(groups.items(), key=lambda kv: (_sort_key((kv[0][0], "", *kv[0][1:3])), kv[0][3:])):
+        rows.append(dict(model=model, method=method, budget=budget, engine_a=a, engine_b=b, n=len(pairs),
+                         accuracy_a=_accuracy([p[0] for p in pairs]), accuracy_b=_accuracy([p[1] for p in pairs]),
+                         identical=sum(p[0].get("prediction") == p[1].get("prediction") for p in pairs),
+                         same_verdict=sum(float(p[0]["score"]) == float(p[1]["score"]) for p in pairs)))
+    return rows
+
+
+def agreement_section(records: list[Record]) -> list[str]:
+    """Markdown lines comparing engines on the same questions (only when some question went to two)."""
+    rows = engine_agreement(records)
+    if not rows:
+        return []
+    body = [[r["method"], fmt_budget(r["budget"]), f"{r['engine_a']} vs {r['engine_b']}", str(r["n"]),
+             _fmt_num(r["accuracy_a"]), _fmt_num(r["accuracy_b"]),
+             _fmt_num(None if r["accuracy_a"] is None else r["accuracy_b"] - r["accuracy_a"]),
+             f"{r['identical']} / {r['n']}", f"{r['same_verdict']} / {r['n']}"] for r in rows]
+    header = ["method", "budget", "engines (A vs B)", "questions", "A %", "B %", "B - A", "identical answers",
+              "same verdict"]
+    return ["## Engines on the same questions", "", *_md_table(header, body, right_from=3), ""]
+
+
 def refused_section(refused: list[Record]) -> list[str]:
     """Markdown lines listing the cells a method refused (its budget cannot hold its minimum at that
     length), one row per (engine, method, budget, task, length), with the method's own reason."""
@@ -456,6 +501,7 @@ def write_report(results: dict, out_dir: Path, title: str = "sekv-local bench",
             link = Path(os.path.relpath(paths[name], out_dir)).as_posix()
             lines += [f"![{caption[0].upper() + caption[1:]}]({link})", ""]
     lines += turn_section(records)
+    lines += agreement_section(records)
     lines += refused_section(results.get("refused") or [])
     summary = out_dir / "summary.md"
     summary.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
