@@ -263,6 +263,9 @@ def chat(file: Path, no_tui: bool, **kw: Any) -> None:
 @click.option("--shared-prefill", is_flag=True,
               help="With --engine torch,llama.cpp: the llama.cpp engine adopts the torch engine's memory of each "
                    "document (its prefill is the torch engine's anyway), so each document is read once.")
+@click.option("--interleave", is_flag=True,
+              help="Run every method on a question before the next question (instead of method by method), so a "
+                   "run stopped early still compares the methods on the same questions.")
 def bench(**kw: Any) -> None:
     """Run a task grid (methods x budgets x tasks x lengths x samples) and write results.json,
     summary.md and plots."""

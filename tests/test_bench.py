@@ -106,3 +106,26 @@ def test_absolute_budgets_parse_and_print_as_sizes() -> None:
                                   1, None, 1024, Path("x"), False, "")
     assert config.budgets == [48 * 2**20]
     assert fmt_budget(48 * 2**20) == "48 MiB" and fmt_budget(0.25) == "25%" and fmt_budget(None) == "-"
+
+
+def test_plan_order_method_by_method_or_interleaved_and_skips_done_cells() -> None:
+    from sekv_local.eval.runner import _cell_key, plan_cells
+
+    grid = dict(tasks=["niah_single", "doc_qa"], lengths=[1024, 2048], samples=2, engines=["torch"],
+                methods=["full", "snapkv"], budgets=[0.25])
+    by_method = plan_cells(BenchConfig(**grid))
+    assert len(by_method) == 16
+    assert [c[1] for c in by_method[:8]] == ["full"] * 8  # one method's whole grid, then the next
+    assert by_method[:3] == [("torch", "full", None, 1024, "niah_single", 0), ("torch", "full", None, 1024, "niah_single", 1),
+                             ("torch", "full", None, 1024, "doc_qa", 0)]
+    interleaved = plan_cells(BenchConfig(**grid, interleave=True))
+    assert sorted(interleaved) == sorted(by_method)
+    assert interleaved[:4] == [("torch", "full", None, 1024, "niah_single", 0), ("torch", "snapkv", 0.25, 1024, "niah_single", 0),
+                               ("torch", "full", None, 1024, "niah_single", 1), ("torch", "snapkv", 0.25, 1024, "niah_single", 1)]
+    done = {_cell_key("torch", "snapkv", 0.25, "niah_single", 1024, 0, {})}
+    assert ("torch", "snapkv", 0.25, 1024, "niah_single", 0) not in plan_cells(BenchConfig(**grid, interleave=True), done)
+    shared = dict(grid, engines=["torch", "llama.cpp"], methods=["sekv"], shared_prefill=True)
+    for interleave in (False, True):  # each cell's engines back to back, the source first
+        plan = plan_cells(BenchConfig(**shared, interleave=interleave))
+        assert [c[0] for c in plan[:4]] == ["torch", "llama.cpp", "torch", "llama.cpp"]
+        assert plan[0][3:] == plan[1][3:]

@@ -54,6 +54,9 @@ class BenchConfig:
     # the llama.cpp engine adopts the torch engine's ingested memory of the same cell (its prefill is the
     # torch engine's): cells run engine after engine, sample by sample, and each document is read once
     shared_prefill: bool = False
+    # sample by sample: every method answers a question before the next question, so a run stopped
+    # early still compares the methods on the same questions
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -71,7 +74,7 @@ class BenchConfig:
     def from_cli(cls, tasks: str, lengths: str, samples: int, engines: str, methods_: str, budgets: str, model: str,
                  seed: int, threads: int | None, chunk_size: int, out: Path, quick: bool, command: str,
                  option: tuple[str, ...] = (), plots_dir: Path | None = None,
-                 shared_prefill: bool = False) -> "BenchConfig":
+                 shared_prefill: bool = False, interleave: bool = False) -> "BenchConfig":
         def split(text: str) -> list[str]:
             return [p.strip() for p in text.split(",") if p.strip()]
 
@@ -85,7 +88,8 @@ class BenchConfig:
         return cls(tasks=split(tasks), lengths=length_list, samples=samples, engines=split(engines),
                    methods=split(methods_), budgets=budget_list or [None], model=model, seed=seed, threads=threads,
                    chunk_size=chunk_size, out=str(out), command=command, method_options=parse_method_options(option),
-                   plots_dir=str(plots_dir) if plots_dir else None, shared_prefill=shared_prefill)
+                   plots_dir=str(plots_dir) if plots_dir else None, shared_prefill=shared_prefill,
+                   interleave=interleave)
 
     def options_of(self, method: str) -> dict[str, Any]:
         """Options of a method label: --option settings of its base method, then the variant's own."""
@@ -158,6 +162,34 @@ def run_sample(engine: Engine, sample: Sample, settings: SessionSettings, model_
     return records, session
 
 
+def plan_cells(config: BenchConfig, done: set[str] = frozenset()) -> list[tuple[str, str, float | None, int, str, int]]:
+    """The cells still to run, (engine, method, budget, length, task, sample), in run order: engine by
+    engine and method by method; with shared_prefill each cell's engines back to back; with interleave
+    every method (and engine) on one sample before the next sample."""
+    plan = []
+    for engine_name in config.engines:
+        for method, budget in config.method_budgets():
+            if engine_name == "llama.cpp-stock" and split_variant(method)[0] not in STOCK_METHODS:
+                print(f"skipping {method} on {engine_name} (it runs {', '.join(STOCK_METHODS)})", file=sys.stderr)
+                continue
+            for length in config.lengths:
+                for task in config.tasks:
+                    for i in range(config.samples):
+                        if _cell_key(engine_name, method, budget, task, length, i,
+                                     config.options_of(method)) not in done:
+                            plan.append((engine_name, method, budget, length, task, i))
+    groups = list(config.method_budgets())
+
+    def order(c: tuple) -> tuple:
+        engine, group, where = config.engines.index(c[0]), groups.index((c[1], c[2])), \
+            (config.lengths.index(c[3]), config.tasks.index(c[4]), c[5])
+        if config.interleave:
+            return (*where, group, engine) if config.shared_prefill else (*where, engine, group)
+        return (group, *where, engine) if config.shared_prefill else (engine, group, *where)
+
+    return sorted(plan, key=order)
+
+
 def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path]:
     from tqdm import tqdm
 
@@ -181,22 +213,7 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
     overhead = _prompt_overhead(prompt)
     suites: dict[tuple[str, int], list[Sample]] = {}
 
-    plan = []
-    for engine_name in config.engines:
-        for method, budget in config.method_budgets():
-            if engine_name == "llama.cpp-stock" and split_variant(method)[0] not in STOCK_METHODS:
-                print(f"skipping {method} on {engine_name} (it runs {', '.join(STOCK_METHODS)})", file=sys.stderr)
-                continue
-            for length in config.lengths:
-                for task in config.tasks:
-                    for i in range(config.samples):
-                        if _cell_key(engine_name, method, budget, task, length, i,
-                                     config.options_of(method)) not in done:
-                            plan.append((engine_name, method, budget, length, task, i))
-    if config.shared_prefill:  # cell by cell, the source engine right before the target
-        groups = list(config.method_budgets())
-        plan.sort(key=lambda c: (groups.index((c[1], c[2])), config.lengths.index(c[3]), config.tasks.index(c[4]),
-                                 c[5], config.engines.index(c[0])))
+    plan = plan_cells(config, done)
     bar = tqdm(total=len(plan), desc="bench", unit="sample", disable=not show_progress, file=sys.stderr,
                dynamic_ncols=True)
     engines: dict[str, tuple[Any, Engine]] = {}  # engine name -> (key, engine): the live ones
