@@ -230,6 +230,20 @@ def test_parity_with_the_learned_router_read_from_the_gguf(f32_model_with_router
     assert empty > 0 and sum(s["empty_agreement"] for s in steps) >= 0.99 * empty
 
 
+@pytest.mark.slow
+def test_parity_with_the_learned_router_filling_the_pool(f32_model_with_router, tokenizer, library) -> None:
+    """`fill=true`: the same router, its thresholds ignored: no slot stays empty in either engine, and the
+    engines still zoom into the same spans and agree on the next token."""
+    path, _ = f32_model_with_router
+    steps = decode_side_by_side(path, tokenizer, library, {"energy": 0.9, "fill": True})
+    assert sum(s["empty_slots"] for s in steps) == 0
+    for s in steps:
+        assert s["argmax"][0] == s["argmax"][1]
+        assert s["kl"] < 1e-4
+        assert s["zoom_agreement"] >= 0.95
+    assert np.mean([s["zoom_agreement"] for s in steps]) >= 0.99
+
+
 def test_a_malformed_router_in_the_gguf_fails_the_load(model_path, library, tmp_path) -> None:
     from sekv_local.converters.bake import _write_copy
     from sekv_local.models.gguf_file import GGUFModelFile

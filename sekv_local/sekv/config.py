@@ -41,6 +41,9 @@ class SekvConfig:
     dtype: storage type of exact K/V, summaries and host factors.
     trained: use the model's trained router (baked into its GGUF, or packaged for a built-in model) when
         it has one; False runs the untrained defaults (an ablation).
+    fill: with the learned router, fill the zoom pool with the best-ranked spans even where they fall below
+        the trained thresholds (the pool's memory is reserved either way; the thresholds then save no
+        memory, only work). False: a span is zoomed only if it passes its head's threshold.
     """
 
     alpha: float = 1.0
@@ -60,6 +63,7 @@ class SekvConfig:
     positions: str = "original"
     dtype: str = "f16"
     trained: bool = True
+    fill: bool = False
 
     def __post_init__(self) -> None:
         need = config_check("sekv")
@@ -81,6 +85,7 @@ class SekvConfig:
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
         need(self.dtype in ("f16", "bf16", "f32"), "dtype must be f16, bf16 or f32")
         need(isinstance(self.trained, bool), "trained must be true or false")
+        need(isinstance(self.fill, bool), "fill must be true or false")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "SekvConfig":

@@ -285,8 +285,9 @@ class SekvCache(CachePolicy):
             score = (logits + log_len).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))  # [KV, S]
             return torch.topk(score, k_zoom, dim=-1).indices
         logits = self.router.relevance_logits(layer, q, L.route_k.view(), log_len)  # [H, T, S]
-        passed = logits > self.router.thresholds(layer)[:, None, None]
-        score = torch.where(passed, logits, float("-inf")).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))
+        if not self.cfg.fill:
+            logits = torch.where(logits > self.router.thresholds(layer)[:, None, None], logits, float("-inf"))
+        score = logits.view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))
         top = torch.topk(score, k_zoom, dim=-1)
         return torch.where(torch.isfinite(top.values), top.indices, -1)
 
