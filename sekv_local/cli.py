@@ -266,6 +266,8 @@ def chat(file: Path, no_tui: bool, **kw: Any) -> None:
 @click.option("--interleave", is_flag=True,
               help="Run every method on a question before the next question (instead of method by method), so a "
                    "run stopped early still compares the methods on the same questions.")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the torch engine runs: cpu, cuda or auto (the llama.cpp engine's prefill runs there too).")
 def bench(**kw: Any) -> None:
     """Run a task grid (methods x budgets x tasks x lengths x samples) and write results.json,
     summary.md and plots."""

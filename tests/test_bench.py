@@ -129,3 +129,14 @@ def test_plan_order_method_by_method_or_interleaved_and_skips_done_cells() -> No
         plan = plan_cells(BenchConfig(**shared, interleave=interleave))
         assert [c[0] for c in plan[:4]] == ["torch", "llama.cpp", "torch", "llama.cpp"]
         assert plan[0][3:] == plan[1][3:]
+
+
+def test_bench_device_is_resolved_up_front() -> None:
+    import torch
+
+    grid = dict(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"], methods=["full"])
+    assert BenchConfig(**grid).device == "cpu"
+    assert BenchConfig(**grid, device="auto").device == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SekvError, match="no CUDA device"):
+            BenchConfig(**grid, device="cuda")

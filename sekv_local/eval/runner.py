@@ -57,8 +57,12 @@ class BenchConfig:
     # sample by sample: every method answers a question before the next question, so a run stopped
     # early still compares the methods on the same questions
     interleave: bool = False
+    device: str = "cpu"  # where the torch engine runs (and the llama.cpp engine's prefill): cpu, cuda or auto
 
     def __post_init__(self) -> None:
+        from ..engines.torch_engine import resolve_device
+
+        self.device = resolve_device(self.device)  # a missing GPU fails here, before any work
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
             raise SekvError(f"unknown task(s) {', '.join(unknown)} (available: {', '.join(TASKS)})")
@@ -74,7 +78,7 @@ class BenchConfig:
     def from_cli(cls, tasks: str, lengths: str, samples: int, engines: str, methods_: str, budgets: str, model: str,
                  seed: int, threads: int | None, chunk_size: int, out: Path, quick: bool, command: str,
                  option: tuple[str, ...] = (), plots_dir: Path | None = None,
-                 shared_prefill: bool = False, interleave: bool = False) -> "BenchConfig":
+                 shared_prefill: bool = False, interleave: bool = False, device: str = "cpu") -> "BenchConfig":
         def split(text: str) -> list[str]:
             return [p.strip() for p in text.split(",") if p.strip()]
 
@@ -89,7 +93,7 @@ class BenchConfig:
                    methods=split(methods_), budgets=budget_list or [None], model=model, seed=seed, threads=threads,
                    chunk_size=chunk_size, out=str(out), command=command, method_options=parse_method_options(option),
                    plots_dir=str(plots_dir) if plots_dir else None, shared_prefill=shared_prefill,
-                   interleave=interleave)
+                   interleave=interleave, device=device)
 
     def options_of(self, method: str) -> dict[str, Any]:
         """Options of a method label: --option settings of its base method, then the variant's own."""
@@ -230,7 +234,7 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
                                                     tokenizer.count)
         sample = suites[(task, length)][i]
         settings = SessionSettings(model=config.model, engine=engine_name, method=base_method, budget=budget,
-                                   threads=config.threads, chunk_size=config.chunk_size,
+                                   threads=config.threads, chunk_size=config.chunk_size, device=config.device,
                                    method_options=tuple(sorted(options.items())))
         started = time.perf_counter()
         cell = {"engine": engine_name, "method": method, "budget": budget, "model": config.model,
@@ -244,7 +248,7 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
                 engines.pop(engine_name, None)
                 engines[engine_name] = (key, create_engine(engine_name, model_path, tokenizer, EngineOptions(
                     method=base_method, budget=budget, threads=config.threads, chunk_size=config.chunk_size,
-                    method_options=options)))
+                    device=config.device, method_options=options)))
             adopt = source[1] if (config.shared_prefill and engine_name == SHARED_PREFILL_TARGET and source
                                   and source[0] == cell_id) else None
             records, session = run_sample(engines[engine_name][1], sample, settings, model_path,
