@@ -276,3 +276,20 @@ def test_wrong_shape_and_missing_tensor_raise_model_error(tmp_path):
     with pytest.raises(ModelError, match=r"missing tensor 'output\.weight'"):
         f.tensor("output.weight")
     assert f.tensor("blk.0.attn_q.weight", (8, 64)).shape == (8, 64)
+
+
+def test_model_file_is_parsed_once_while_unchanged(tmp_path, model_path) -> None:
+    import shutil
+
+    from sekv_local.models.gguf_file import open_model_file
+
+    copy = tmp_path / "model.gguf"
+    shutil.copyfile(model_path, copy)
+    first = open_model_file(copy)
+    assert open_model_file(copy) is first  # a bench builds an engine per cell: one parse per process
+    replaced = tmp_path / "replacement.gguf"
+    shutil.copyfile(model_path, replaced)
+    replaced.replace(copy)  # another file at the same path (a new inode): parsed again
+    assert open_model_file(copy) is not first
+    with pytest.raises(ModelError, match="model file not found"):
+        open_model_file(tmp_path / "missing.gguf")

@@ -13,7 +13,7 @@ import torch
 from ..cache import create_policy
 from ..cache.base import CachePolicy, MemoryReport
 from ..errors import SekvError
-from ..models.gguf_file import GGUFModelFile
+from ..models.gguf_file import GGUFModelFile, open_model_file
 from ..models.rope import Rope
 from ..models.tokenizer import Tokenizer
 from ..models.transformer import Transformer
@@ -28,7 +28,7 @@ SEKV_METHODS = ("sekv", "sekv+xkv")
 def load_transformer(path: str, device: str) -> Transformer:
     """Dequantize once per process: the bench and the TUI build many engines over one model."""
     with _LOAD_LOCK:
-        return Transformer.from_gguf(GGUFModelFile(path), device=device).eval()
+        return Transformer.from_gguf(open_model_file(path), device=device).eval()
 
 
 def resolve_device(device: str) -> str:
@@ -94,8 +94,8 @@ class TorchEngine(Engine):
 
     @cached_property
     def gguf_file(self) -> GGUFModelFile:
-        """The model file's metadata, parsed once per engine (trained parameters live there)."""
-        return GGUFModelFile(self.gguf_path)
+        """The model file's metadata (trained parameters live there), parsed once per process."""
+        return open_model_file(self.gguf_path)
 
     def _trained_router(self) -> Any:
         """The model's trained SeKV router (built once per engine; read-only), or None."""

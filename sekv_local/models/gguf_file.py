@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +177,19 @@ class GGUFModelFile:
                 f"{self.path.name}: tensor '{name}' has shape {tuple(array.shape)}, expected {tuple(expected_shape)}"
             )
         return torch.from_numpy(array)
+
+
+def open_model_file(path: str | Path) -> GGUFModelFile:
+    """The GGUFModelFile of `path`, shared within a process while the file is unchanged: parsing a model's
+    metadata (its vocabulary arrays) takes seconds, and a bench builds an engine per cell."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError:
+        raise ModelError(f"model file not found: {p}") from None
+    return _open_unchanged(str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=4)
+def _open_unchanged(path: str, inode: int, size: int, mtime_ns: int) -> GGUFModelFile:
+    return GGUFModelFile(path)
