@@ -243,3 +243,26 @@ def test_shared_span_factors_are_one_store_per_window_and_smaller_when_layers_ag
     assert shared.host_tensors(1) == []  # counted once, at the window's first layer
     assert shared.span_len.length == stores["sekv"].span_len.length > 5
     assert shared.memory().host_bytes < stores["sekv"].memory().host_bytes
+
+
+@pytest.mark.parametrize("fill", [False, True])
+def test_learned_router_thresholds_leave_slots_empty_unless_filling(fill: bool) -> None:
+    """Thresholds no span reaches: the learned router zooms nothing (every slot -1), or with fill=true
+    every slot holds a span, the best-ranked ones."""
+    from sekv_local.sekv.config import SekvConfig
+    from sekv_local.sekv.router import Router
+
+    router = Router(CFG, SekvConfig())
+    with torch.no_grad():
+        router.threshold_logit.fill_(1e6)
+    router.trained = True
+    sekv = create_policy("sekv", CFG, Rope(CFG), budget=10 ** 9, zoom_k=3, dtype="f32", recent=8, l_min=4, l_max=8,
+                         n_sink=2, router_module=router, fill=fill)
+    assert sekv.router_kind == "projection"
+    run(sekv, 200, 50)
+    chosen = torch.stack([c for _, c in sekv._zoom_events])  # [events, KV, 3]
+    assert chosen.numel() > 0
+    if fill:
+        assert bool((chosen >= 0).all()) and bool((chosen < sekv.span_len.length).all())
+    else:
+        assert bool((chosen == -1).all())
