@@ -420,15 +420,19 @@ def engine_agreement(records: Sequence[Record]) -> list[dict]:
     """Engines compared on the questions both answered: one row per (model, method, budget, engine A,
     engine B) with ``n`` questions, ``accuracy_a``/``accuracy_b`` (%) on those questions, ``identical``
     (same answer text) and ``same_verdict`` (same score). Empty when no question went to two engines."""
-    first_seen = {e: i for i, e in reversed(list(enumerate(r["engine"] for r in records)))}
+    run_order = list(dict.fromkeys(r["engine"] for r in records))
     groups: dict[tuple, list[tuple[Record, Record]]] = defaultdict(list)
     for key, by_engine in _paired_by_engine(records).items():
-        engines = sorted(by_engine, key=first_seen.__getitem__)  # A = the engine the run asked for first
+        engines = sorted(by_engine, key=run_order.index)  # A = the engine the run asked for first
         for i, a in enumerate(engines):
             for b in engines[i + 1:]:
                 groups[(key[0], key[1], key[2], a, b)].append((by_engine[a], by_engine[b]))
     rows = []
-    for (model, method, budget, a, b), pairs in sorted(groups.items(), key=lambda kv: (_sort_key((kv[0][0], "", *kv[0][1:3])), kv[0][3:])):
+    def order(key: tuple) -> tuple:  # full KV first, then methods and budgets; engine pairs in run order
+        model, method, budget, a, b = key
+        return str(model), method != "full", method, _budget_key(budget), run_order.index(a), run_order.index(b)
+
+    for (model, method, budget, a, b), pairs in sorted(groups.items(), key=lambda kv: order(kv[0])):
         rows.append(dict(model=model, method=method, budget=budget, engine_a=a, engine_b=b, n=len(pairs),
                          accuracy_a=_accuracy([p[0] for p in pairs]), accuracy_b=_accuracy([p[1] for p in pairs]),
                          identical=sum(p[0].get("prediction") == p[1].get("prediction") for p in pairs),

@@ -18,9 +18,6 @@ from .bindings import NativeMemory, NativeModel, StoreRows
 from ..sekv.factors import FactorStore
 from ..sekv.policy import SekvCache
 
-#: how far below every relevance logit the thresholds go when the learned router fills the zoom pool
-FILL_THRESHOLD = 1e30
-
 
 @dataclass
 class LayerExport:
@@ -163,10 +160,8 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
                                keys, values, route_k))
     router = None
     if learned:
-        threshold = cache.router.threshold_logit.detach().float().cpu().numpy()
-        if cache.cfg.fill:  # every span passes: the top-k fills the pool (finite: the graph multiplies by it)
-            threshold = np.full_like(threshold, -FILL_THRESHOLD)
-        router = (cache.router.q_proj.detach().float().cpu().numpy(), threshold)
+        router = (cache.router.q_proj.detach().float().cpu().numpy(),
+                  cache.zoom_thresholds().float().cpu().numpy())
     return MemoryExport(cache.span_pos.view().cpu().numpy().astype(np.int32), lengths.numpy().astype(np.int32),
                         rows, rank, out, router)
 

@@ -35,6 +35,8 @@ _ZOOM_LADDER = (1, 2, 4)  # divisors of zoom_k tried when the budget is tight (a
 _AUTO_MIN_ZOOM = 16  # "auto" zoom: coarser spans are tried while the pool would hold fewer spans than this
 _ROW_STEP = 16  # growth step of the device row buffers: their slack counts against the budget
 _POSITION_MARGIN = 64  # "bounded": far memory sits this far inside the trained window
+#: how far below every relevance logit the zoom thresholds go when the learned router fills the pool
+FILL_THRESHOLD = 1e30
 
 
 @dataclass
@@ -285,11 +287,16 @@ class SekvCache(CachePolicy):
             score = (logits + log_len).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))  # [KV, S]
             return torch.topk(score, k_zoom, dim=-1).indices
         logits = self.router.relevance_logits(layer, q, L.route_k.view(), log_len)  # [H, T, S]
-        if not self.cfg.fill:
-            logits = torch.where(logits > self.router.thresholds(layer)[:, None, None], logits, float("-inf"))
-        score = logits.view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))
+        passed = logits > self.zoom_thresholds()[layer][:, None, None]
+        score = torch.where(passed, logits, float("-inf")).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))
         top = torch.topk(score, k_zoom, dim=-1)
         return torch.where(torch.isfinite(top.values), top.indices, -1)
+
+    def zoom_thresholds(self) -> torch.Tensor:
+        """Per-layer, per-head thresholds [L, H] a span's relevance logit must pass to be zoomed: the learned
+        router's, or with `fill` far below any logit (finite: the native graph takes them as data)."""
+        thresholds = self.router.threshold_logit.detach()
+        return torch.full_like(thresholds, -FILL_THRESHOLD) if self.cfg.fill else thresholds
 
     def _rebuild(self, L: _Layer, chosen: torch.Tensor, valid: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
