@@ -68,6 +68,26 @@ def test_bench_records_a_length_beyond_the_method_and_goes_on(tmp_path: Path, mo
     assert len(results["refused"]) == 1 and "8192" in results["refused"][0]["reason"]
 
 
+def test_resuming_with_another_sample_count_is_refused(tmp_path: Path, model_path) -> None:
+    """Needle depths are spread over --samples, so sample 1 of a 2-sample suite is another question than
+    sample 1 of a 3-sample one: resuming must not mix them."""
+    from sekv_local.eval.runner import run_bench
+
+    def config(samples: int, seed: int = 1) -> BenchConfig:
+        return BenchConfig(tasks=["niah_single"], lengths=[9216], samples=samples, seed=seed, engines=["torch"],
+                           methods=["full"], threads=2, out=str(tmp_path / "b"))
+
+    results = run_bench(config(2), show_progress=False)["results"]
+    before = results.read_text()
+    with pytest.raises(SekvError, match="--samples 2, this run asks for --samples 3"):
+        run_bench(config(3), show_progress=False)
+    with pytest.raises(SekvError, match="--seed 1, this run asks for --seed 7"):
+        run_bench(config(2, seed=7), show_progress=False)
+    assert results.read_text() == before  # nothing lost
+    run_bench(config(2), show_progress=False)  # the same questions resume
+    assert len(json.loads(results.read_text())["refused"]) == 2
+
+
 def test_bench_config_validation() -> None:
     with pytest.raises(SekvError, match="unknown task"):
         BenchConfig(tasks=["nope"], lengths=[1024], samples=1, engines=["torch"], methods=["full"])

@@ -216,3 +216,18 @@ def test_parameter_file_round_trip_and_refusals(tmp_path) -> None:
         load_library(bad, CFG)
     with pytest.raises(MetaSoftFileError, match="not found"):
         load_library(tmp_path / "missing.safetensors")
+
+
+def test_packaged_soft_tokens_make_the_static_ablation_identical() -> None:
+    """The packaged parameters carry a zeroed selector (stage 2 raised the held-out error, see
+    docs/RESULTS.md), so `metasoft@static=true` must give the default's soft tokens for any prompt:
+    the bench grid reports it as identical instead of re-running it. Fails once a selector ships."""
+    from sekv_local.metasoft.params_file import packaged_dir
+
+    files = sorted(packaged_dir().glob("*.safetensors"))
+    assert files, "no packaged Meta-Soft parameters"
+    library, _ = load_library(files[0])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        features = torch.randn(library.feature_dim, generator=generator) * 5
+        assert torch.equal(library.soft_tokens(features, static=False), library.soft_tokens(features, static=True))

@@ -121,6 +121,18 @@ def _cell_key(engine: str, method: str, budget: float | None, task: str, length:
     return f"{engine}|{method}|{budget}|{task}|{length}|{sample}|{json.dumps(options or {}, sort_keys=True)}"
 
 
+def _check_same_questions(previous: dict[str, Any], config: BenchConfig, path: Path) -> None:
+    """A resumed run must ask the same questions: sample i's seed comes from --seed and its needle depth
+    from --samples (depths spread evenly over the suite), so a different count would silently mix
+    questions of two suites under the same sample index."""
+    for name, flag in (("samples", "--samples"), ("seed", "--seed")):
+        before, now = previous.get(name), getattr(config, name)
+        if before is not None and before != now:
+            raise SekvError(f"{path} was run with {flag} {before}, this run asks for {flag} {now}: the "
+                            f"questions would differ under the same sample numbers; use {flag} {before} "
+                            f"to resume it, or another --out")
+
+
 def _atomic_write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -204,6 +216,7 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
     if results_path.exists():
         try:
             previous = json.loads(results_path.read_text())
+            _check_same_questions(previous.get("config", {}), config, results_path)
             for part in ("records", "refused"):
                 results[part] = [r for r in previous.get(part, []) if r.get("model") == config.model]
         except (json.JSONDecodeError, OSError):
