@@ -26,7 +26,7 @@ from .buffers import RowBuffer, VecBuffer
 from .config import SekvConfig
 from .factors import FactorStore
 from .router import Router, bound_scores, key_bounds
-from .segmentation import RunningStats, segment
+from .segmentation import RunningStats, segment, token_surprisal
 
 _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 # (l_min, l_max) ladder the budget planner climbs when summaries would not fit
@@ -328,12 +328,7 @@ class SekvCache(CachePolicy):
         T = int(token_ids.shape[0])
         surprisal = torch.zeros(T)
         if logits is not None:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            if self._prev_logprobs is not None:
-                surprisal[0] = -self._prev_logprobs[token_ids[0]]
-            if logprobs.shape[0] == T and T > 1:
-                surprisal[1:] = -logprobs[:-1].gather(1, token_ids[1:, None])[:, 0].cpu()
-            self._prev_logprobs = logprobs[-1]
+            surprisal, self._prev_logprobs = token_surprisal(logits, token_ids, self._prev_logprobs)
         self.pend_surprisal.append(surprisal.to(self.device))
         self.n_tokens += T
         # every layer has appended this chunk; at most one layer's rebuilt rows exist at a time

@@ -11,6 +11,7 @@ from ..cache.attention import chunk_causal_mask, gqa_attention
 from ..cache.base import CachePolicy
 from ..models.rope import Rope
 from ..models.transformer import Transformer
+from ..sekv.segmentation import token_surprisal
 
 
 @dataclass
@@ -78,9 +79,7 @@ def run_teacher(model: Transformer, rope: Rope, context: list[int], query: list[
     cache = _RecordingCache(model, rope, len(query), feature_layers)
     cache.begin_chunk(torch.arange(len(ids)), is_prefill=True)
     logits = model(ids, cache, logits="all").float()
-    logprobs = torch.log_softmax(logits[: len(context)], dim=-1)
-    surprisal = torch.zeros(len(context))
-    surprisal[1:] = -logprobs[:-1].gather(1, ids[1: len(context), None])[:, 0]
+    surprisal, _ = token_surprisal(logits[: len(context)], ids[: len(context)], None)
     return TeacherRecord(len(context), ids[len(context):], cache.k, cache.v, cache.q,
                          logits[len(context):], surprisal,
                          torch.stack(cache.features).flatten() if cache.features else None)
