@@ -364,7 +364,9 @@ def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, 
         click.echo(f"stopped at step {result.steps_done} of {config.steps} (time limit); run the same command "
                    "again to continue", err=True)
         return
-    click.echo(f"trained {result.steps_done} steps in {result.minutes:.1f} min; wrote {out}", err=True)
+    resumed = f" ({result.steps_run} of them in this run, resumed from a checkpoint)" \
+        if result.steps_run < result.steps_done else ""
+    click.echo(f"trained {result.steps_done} steps{resumed} in {result.minutes:.1f} min; wrote {out}", err=True)
     click.echo(str(out))
 
 

@@ -193,8 +193,18 @@ def test_torch_engine_uses_the_baked_router(baked, model_path, tokenizer) -> Non
     ablation = TorchEngine(path, tokenizer, EngineOptions(method="sekv", budget=0.25,
                                                           method_options={"trained": False}))
     assert not ablation.cache.router.trained and ablation.cache.router_kind == "attention"
+    default = TorchEngine(model_path, tokenizer, EngineOptions(method="sekv", budget=0.25))
+    assert default.cache.router.trained and default.cache.router_kind == "projection"
+    assert any("packaged for this model" in n for n in default.notices)
+
+
+def test_a_model_without_a_router_runs_the_untrained_defaults_and_says_so(model_path, tokenizer,
+                                                                         monkeypatch, tmp_path: Path) -> None:
+    import sekv_local.sekv.router_file as router_file
+
+    monkeypatch.setattr(router_file, "packaged_routers_dir", lambda: tmp_path)  # no router packaged anywhere
     plain = TorchEngine(model_path, tokenizer, EngineOptions(method="sekv", budget=0.25))
-    assert not plain.cache.router.trained
+    assert not plain.cache.router.trained and plain.cache.router_kind == "attention"
     assert any("untrained defaults" in n for n in plain.notices)
 
 
@@ -211,7 +221,8 @@ def test_a_memory_brings_back_its_own_router(baked, model_path, tokenizer) -> No
     # a memory built with the untrained router, loaded where the engine has a trained one: the memory's
     # routing keys belong to its own router, and the engine's shared trained router must stay intact
     path, params = baked
-    plain = TorchEngine(model_path, tokenizer, EngineOptions(method="sekv", budget=0.25))
+    plain = TorchEngine(model_path, tokenizer, EngineOptions(method="sekv", budget=0.25,
+                                                           method_options={"trained": False}))
     from sekv_local.eval.tasks import natural_text
 
     ids = tokenizer.encode(natural_text(9000))

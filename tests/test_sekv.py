@@ -268,6 +268,30 @@ def test_learned_router_thresholds_leave_slots_empty_unless_filling(fill: bool) 
         assert bool((chosen == -1).all())
 
 
+@pytest.mark.parametrize("rank_gate", [True, False])
+def test_trained_rank_gate_sets_the_span_rank_unless_switched_off(rank_gate: bool) -> None:
+    """A trained rank gate at 50% energy keeps fewer singular vectors than the configured 0.999 (less host
+    memory); with rank_gate=false the trained router routes but the spans keep the configured energy."""
+    from sekv_local.sekv.config import SekvConfig
+    from sekv_local.sekv.router import Router
+
+    def host_bytes(router_module) -> int:
+        sekv = create_policy("sekv", CFG, Rope(CFG), budget=10 ** 9, dtype="f32", recent=8, l_min=4, l_max=8,
+                             n_sink=2, router_module=router_module, rank_gate=rank_gate)
+        run(sekv, 200, 50)
+        return sekv.memory().host_bytes
+
+    router = Router(CFG, SekvConfig())
+    with torch.no_grad():
+        router.rank_energy_logit.fill_(0.0)  # sigmoid(0): keep half the squared singular values
+    router.trained = True
+    gated, untrained = host_bytes(router), host_bytes(None)
+    if rank_gate:
+        assert gated < 0.8 * untrained
+    else:
+        assert gated == untrained
+
+
 def test_token_surprisal_equals_the_log_softmax_definition() -> None:
     """-log p(x_t | x_<t): row t - 1 of the chunk predicts token t, the previous chunk's last row predicts
     token 0; computed from each row's log-normaliser without a [T, V] log_softmax."""

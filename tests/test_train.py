@@ -63,7 +63,7 @@ def test_resumed_training_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     part = train_router(TrainConfig(steps=2, **SMALL), tmp_path / "b.safetensors", threads=1)
     assert part.finished and part.steps_done == 2
     resumed = train_router(TrainConfig(steps=4, **SMALL), tmp_path / "b.safetensors", threads=1)
-    assert resumed.steps_done == 4 and [h["step"] for h in resumed.history] == [1, 2, 3, 4]
+    assert resumed.steps_done == 4 and resumed.steps_run == 2 and [h["step"] for h in resumed.history] == [1, 2, 3, 4]
     a, b = load_router(tmp_path / "a.safetensors"), load_router(tmp_path / "b.safetensors")
     for name in a.tensors:
         assert torch.equal(a.tensors[name], b.tensors[name]), name
@@ -117,3 +117,41 @@ def test_ctrl_c_saves_the_checkpoint_and_says_how_to_resume(tmp_path: Path) -> N
     with safe_open(str(checkpoint_path(out)), framework="pt") as fh:
         assert f'"step": {step}' in fh.metadata()["sekv_train"]
     assert os.path.getsize(checkpoint_path(out)) > 0
+
+
+@pytest.mark.slow
+def test_trained_router_survives_baking_bit_for_bit_and_answers_the_same(tmp_path: Path, model_path, tokenizer,
+                                                                          monkeypatch) -> None:
+    """train briefly -> bake -> load the baked GGUF: the same router tensors bit for bit, and the same greedy
+    answer as the model running the separate router file (found as a router packaged for this model)."""
+    import sekv_local.sekv.router_file as router_file
+    from sekv_local.converters.bake import bake
+    from sekv_local.engines import EngineOptions
+    from sekv_local.engines.torch_engine import TorchEngine
+    from sekv_local.eval.tasks import natural_text
+    from sekv_local.models.gguf_file import GGUFModelFile
+
+    routers = tmp_path / "routers"
+    result = train_router(TrainConfig(steps=2, **SMALL), routers / "router.safetensors", threads=1)
+    checkpoint_path(result.out).unlink()
+    baked = bake(model_path, result.out, tmp_path / "baked.gguf")
+    separate, inside = load_router(result.out), GGUFModelFile(baked).router_params()
+    assert inside is not None and inside.tensors.keys() == separate.tensors.keys()
+    for name, values in separate.tensors.items():
+        assert values.dtype == inside.tensors[name].dtype and torch.equal(values, inside.tensors[name]), name
+
+    monkeypatch.setattr(router_file, "packaged_routers_dir", lambda: routers)  # only the file just trained
+    text = natural_text(9000)
+    prompt = tokenizer.encode(text[:6000] + "\nThe access code of the archive is 4821.\n" + text[6000:]
+                              + "\nWhat is the access code of the archive?")
+    answers, notes = [], []
+    for path in (model_path, baked):
+        engine = TorchEngine(path, tokenizer, EngineOptions(method="sekv", budget=0.25))
+        assert engine.cache.router.trained and engine.cache.router_kind == "projection"
+        engine.reserve(len(prompt) + 16)
+        engine.feed(prompt)
+        engine.finish_prefill()
+        answers.append(list(engine.generate(16)))
+        notes.append(" ".join(engine.notices))
+    assert "packaged for this model (router.safetensors)" in notes[0] and "baked into baked.gguf" in notes[1]
+    assert answers[0] == answers[1] and len(answers[0]) > 0

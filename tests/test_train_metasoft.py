@@ -43,7 +43,7 @@ def test_stages_train_their_own_parameters_and_resume_is_exact(tmp_path: Path) -
     train_metasoft(MetaSoftTrainConfig(steps=3, library_steps=2, **SMALL), tmp_path / "c.safetensors", threads=1)
     resumed = train_metasoft(MetaSoftTrainConfig(steps=4, library_steps=2, **SMALL), tmp_path / "c.safetensors",
                              threads=1)
-    assert resumed.steps_done == 4
+    assert resumed.steps_done == 4 and resumed.steps_run == 1
     again = _tensors(resumed.out)
     assert all(torch.equal(both[k], again[k]) for k in both)
 

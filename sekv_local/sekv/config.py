@@ -43,7 +43,10 @@ class SekvConfig:
         it has one; False runs the untrained defaults (an ablation).
     fill: with the learned router, fill the zoom pool with the best-ranked spans even where they fall below
         the trained thresholds (the pool's memory is reserved either way; the thresholds then save no
-        memory, only work). False: a span is zoomed only if it passes its head's threshold.
+        memory, only work). False: a span is zoomed only if it passes its head's threshold (fewer spans
+        rebuilt; it lost accuracy at 25% in RESULTS, so filling is the default).
+    rank_gate: with the learned router, each span keeps the SVD energy its layer's trained rank gate chose
+        (less host memory); False keeps `energy` and uses only the trained routing (an ablation).
     """
 
     alpha: float = 1.0
@@ -63,7 +66,8 @@ class SekvConfig:
     positions: str = "original"
     dtype: str = "f16"
     trained: bool = True
-    fill: bool = False
+    fill: bool = True
+    rank_gate: bool = True
 
     def __post_init__(self) -> None:
         need = config_check("sekv")
@@ -86,6 +90,7 @@ class SekvConfig:
         need(self.dtype in ("f16", "bf16", "f32"), "dtype must be f16, bf16 or f32")
         need(isinstance(self.trained, bool), "trained must be true or false")
         need(isinstance(self.fill, bool), "fill must be true or false")
+        need(isinstance(self.rank_gate, bool), "rank_gate must be true or false")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "SekvConfig":

@@ -413,13 +413,13 @@ class SekvCache(CachePolicy):
         return max(0, int(free / per_token))
 
     def _energy(self, layer: int | None) -> float | torch.Tensor:
-        """SVD energy a span keeps: the trained rank gate's (per KV head; its mean over a window of shared
-        layers: their mean over all layers) or the configured threshold when the router is untrained."""
-        if not self.router.trained:
+        """SVD energy a span keeps: the trained rank gate's per KV head of `layer`, or the configured
+        energy when the router is untrained, its rank gate is off, or the factors are shared by a window of
+        layers (layer None): the gate learned ranks for one layer's factors, and a joint basis over G
+        layers at those energies lost the short NIAH test's needle (tests/test_methods_real.py)."""
+        if layer is None or not self.router.trained or not self.cfg.rank_gate:
             return self.cfg.energy
-        if layer is not None:
-            return self.router.rank_energy(layer)
-        return float(torch.sigmoid(self.router.rank_energy_logit.detach()).mean())
+        return self.router.rank_energy(layer)
 
     def _remaining_tokens(self, region: int) -> int:
         done = self.n_tokens - self.pend_pos.length

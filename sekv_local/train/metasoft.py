@@ -34,6 +34,7 @@ from ..metasoft.library import SEED_WORDS, SoftTokenLibrary
 from ..models.rope import Rope
 from ..models.transformer import Transformer
 from .teacher import OnePassPolicy, TeacherRecord
+from .trainer import SEED_STRIDE, TrainResult, checkpoint_path, run_steps
 
 ProgressFn = Callable[[int, int, dict[str, float]], None]
 #: held-out samples for the end-of-training check come from seeds this far past the training ones
@@ -168,17 +169,8 @@ def validate(model: Transformer, rope: Rope, library: SoftTokenLibrary,
     return out
 
 
-@dataclass
-class MetaSoftTrainResult:
-    out: Path
-    steps_done: int
-    finished: bool
-    minutes: float
-    history: list[dict[str, float]]
-
-
 def train_metasoft(config: MetaSoftTrainConfig, out: Path, fresh: bool = False,
-                   progress: ProgressFn | None = None, threads: int | None = None) -> MetaSoftTrainResult:
+                   progress: ProgressFn | None = None, threads: int | None = None) -> TrainResult:
     """Train (or resume) Meta-Soft's library and selector for `config.model`; write `out` when done."""
     from ..metasoft.params_file import save_library
     from ..models.gguf_file import GGUFModelFile
@@ -188,7 +180,6 @@ def train_metasoft(config: MetaSoftTrainConfig, out: Path, fresh: bool = False,
     from ..persistence import file_sha256
     from .data import make_sample
     from .teacher import run_teacher
-    from .trainer import SEED_STRIDE, checkpoint_path, run_steps
 
     if threads:
         torch.set_num_threads(threads)
@@ -219,7 +210,7 @@ def train_metasoft(config: MetaSoftTrainConfig, out: Path, fresh: bool = False,
                                        config.n_sink, config.orth_weight, torch.Generator().manual_seed(step))
         return total, {"stage": stage, "kind": sample.kind}, parts
 
-    step, minutes, history = run_steps(config, library, optimizer, checkpoint_path(out), fresh, one_step, progress)
+    step, steps_run, minutes, history = run_steps(config, library, optimizer, checkpoint_path(out), fresh, one_step, progress)
     finished = step >= config.steps
     if finished:
         def recent_mean(stage: str, key: str) -> float | None:
@@ -244,4 +235,4 @@ def train_metasoft(config: MetaSoftTrainConfig, out: Path, fresh: bool = False,
                 "final_losses": {f"{stage}_{key}": recent_mean(stage, key) for stage in ("library", "selector")
                                  for key in ("mse", "orthogonality")}}
         save_library(out, library, info)
-    return MetaSoftTrainResult(out, step, finished, minutes, history)
+    return TrainResult(out, step, finished, minutes, history, steps_run)

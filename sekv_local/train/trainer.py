@@ -124,17 +124,18 @@ class TrainResult:
     out: Path
     steps_done: int
     finished: bool
-    minutes: float
+    minutes: float  # wall time of this run (a resumed run: its own steps only)
     history: list[dict[str, float]]
+    steps_run: int = 0  # steps this run did (fewer than steps_done when it resumed from a checkpoint)
 
 
 def run_steps(config: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path, fresh: bool,
               one_step: Callable[[int], tuple[torch.Tensor, dict[str, Any], dict[str, float]]],
-              progress: ProgressFn | None) -> tuple[int, float, list[dict[str, Any]]]:
+              progress: ProgressFn | None) -> tuple[int, int, float, list[dict[str, Any]]]:
     """The loop every trainer shares: resume from `ckpt` (unless fresh), then steps up to config.steps,
     stopping early after config.max_minutes. one_step(step) -> (loss, history fields, loss parts).
     Checkpoints every config.checkpoint_every steps, at the end, and on Ctrl-C (then raises
-    TrainingInterrupted). Returns (steps done, minutes, history)."""
+    TrainingInterrupted). Returns (steps done, steps done by this run, minutes of this run, history)."""
     start, history = 0, []
     if ckpt.exists() and not fresh:
         start, history = load_checkpoint(ckpt, module, optimizer, config)
@@ -159,7 +160,7 @@ def run_steps(config: Any, module: torch.nn.Module, optimizer: torch.optim.Optim
         raise TrainingInterrupted(f"training stopped at step {step} of {config.steps}; checkpoint saved to {ckpt}. "
                                   "Run the same command again to resume.") from None
     save_checkpoint(ckpt, module, optimizer, step, config, history)
-    return step, (time.monotonic() - began) / 60, history
+    return step, step - start, (time.monotonic() - began) / 60, history
 
 
 def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: ProgressFn | None = None,
@@ -192,7 +193,7 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
         losses = student_losses(model, rope, router, sekv, record, config.weights)
         return losses.total, {"kind": sample.kind}, losses.parts
 
-    step, minutes, history = run_steps(config, router, optimizer, checkpoint_path(out), fresh, one_step, progress)
+    step, steps_run, minutes, history = run_steps(config, router, optimizer, checkpoint_path(out), fresh, one_step, progress)
     finished = step >= config.steps
     if finished:
         recent = history[-50:]
@@ -203,4 +204,4 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
                                            "rank_fraction")}}
         hparams = {f.name: getattr(sekv, f.name) for f in fields(sekv)}
         save_router(out, params_of(router, model.config, hparams, info))
-    return TrainResult(out, step, finished, minutes, history)
+    return TrainResult(out, step, finished, minutes, history, steps_run)
