@@ -210,7 +210,8 @@ def train_metasoft(config: MetaSoftTrainConfig, out: Path, fresh: bool = False,
                                        config.n_sink, config.orth_weight, torch.Generator().manual_seed(step))
         return total, {"stage": stage, "kind": sample.kind}, parts
 
-    step, steps_run, minutes, history = run_steps(config, library, optimizer, checkpoint_path(out), fresh, one_step, progress)
+    step, steps_run, minutes, history = run_steps(config, library, optimizer, checkpoint_path(out), fresh, one_step,
+                                                  progress)
     finished = step >= config.steps
     if finished:
         def recent_mean(stage: str, key: str) -> float | None:
