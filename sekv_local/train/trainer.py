@@ -193,7 +193,8 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
         losses = student_losses(model, rope, router, sekv, record, config.weights)
         return losses.total, {"kind": sample.kind}, losses.parts
 
-    step, steps_run, minutes, history = run_steps(config, router, optimizer, checkpoint_path(out), fresh, one_step, progress)
+    step, steps_run, minutes, history = run_steps(config, router, optimizer, checkpoint_path(out), fresh, one_step,
+                                                  progress)
     finished = step >= config.steps
     if finished:
         recent = history[-50:]
