@@ -126,7 +126,7 @@ class TrainResult:
     finished: bool
     minutes: float  # wall time of this run (a resumed run: its own steps only)
     history: list[dict[str, float]]
-    steps_run: int = 0  # steps this run did (fewer than steps_done when it resumed from a checkpoint)
+    steps_run: int  # steps this run did (fewer than steps_done when it resumed from a checkpoint)
 
 
 def run_steps(config: Any, module: torch.nn.Module, optimizer: torch.optim.Optimizer, ckpt: Path, fresh: bool,
