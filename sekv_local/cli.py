@@ -568,6 +568,13 @@ def analyze_layers(file: Path | None, model: str, tokens: int, threads: int | No
     for layer in range(n - 1):
         click.echo(f"  {layer:2d}-{layer + 1:<2d}  " + "  ".join(f"{m[layer, layer + 1]:8.3f}"
                                                           for m in result.matrices().values()))
+    click.echo("relative error of the best factorization sharing one token basis per G layers, at equal bytes")
+    click.echo("(factor bytes as a fraction of the cache's):")
+    groups = layer_similarity.SHARING_GROUPS
+    click.echo(f"  {'':8s}{'bytes':>7s}" + "".join(f"{f'G={g}':>8s}" for g in groups))
+    for kind, by_group in (result.sharing or {}).items():
+        for fraction in layer_similarity.SHARING_FRACTIONS:
+            click.echo(f"  {kind:8s}{fraction:7.3f}" + "".join(f"{by_group[g][fraction]:8.3f}" for g in groups))
     paths = layer_similarity.write(result, out, f"KV similarity between layers - {model}, {result.tokens} tokens")
     click.echo(f"written: {', '.join(str(p) for p in paths.values())}", err=True)
 

@@ -9,6 +9,9 @@ measures per layer pair:
 
 xKV's point: token cosine is low between layers, yet CKA is high, so one token basis serves a
 window of layers (each with its own reconstruction block). Low CKA would say sharing cannot work.
+
+CKA says whether sharing can work; :func:`sharing_error` says whether it pays: the error of the best
+rank-r factorization of each window of G layers when every G gets the same factor bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class LayerSimilarity:
     key_cka: np.ndarray
     value_cosine: np.ndarray
     value_cka: np.ndarray
+    sharing: dict[str, dict[int, dict[float, float]]] | None = None  # "keys"/"values" -> G -> bytes fraction -> error
 
     def adjacent(self) -> dict[str, float]:
         """Mean of each measure over neighbouring layer pairs (l, l+1)."""
@@ -44,7 +48,9 @@ class LayerSimilarity:
                 "value_cosine": self.value_cosine, "value_cka": self.value_cka}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "adjacent_mean": self.adjacent(),
+        sharing = {kind: {str(g): {str(f): round(e, 4) for f, e in by_f.items()} for g, by_f in by_g.items()}
+                   for kind, by_g in (self.sharing or {}).items()}
+        return {"tokens": self.tokens, "adjacent_mean": self.adjacent(), "sharing_error": sharing,
                 **{name: np.round(m, 4).tolist() for name, m in self.matrices().items()}}
 
 
@@ -62,6 +68,52 @@ def linear_cka(x: torch.Tensor) -> torch.Tensor:
     hsic = cross.square().sum(dim=(-1, -2))
     norms = gram.square().sum(dim=(-1, -2)).sqrt()
     return hsic / (norms[:, None] * norms[None, :]).clamp_min(1e-30)
+
+
+#: window sizes and factor-byte fractions :func:`sharing_error` compares by default
+SHARING_GROUPS = (1, 2, 4)
+SHARING_FRACTIONS = (0.5, 0.25, 0.125)
+
+
+def equal_bytes_rank(fraction: float, layers: int, tokens: int, features: int, group: int) -> int:
+    """Rank per window whose factors take `fraction` of the layers' uncompressed bytes.
+
+    W = ceil(layers / G) windows each store A [T, r] and B [r, g_w * F]: r * (W * T + layers * F) values
+    in all (as :func:`sekv_local.cache.xkv.derive_ranks` counts them), against layers * T * F uncompressed.
+    """
+    windows = -(-layers // group)
+    rank = int(fraction * layers * tokens * features // (windows * tokens + layers * features))
+    return max(0, min(rank, tokens, group * features))
+
+
+def sharing_error(x: torch.Tensor, groups: tuple[int, ...] = SHARING_GROUPS,
+                  fractions: tuple[float, ...] = SHARING_FRACTIONS) -> dict[int, dict[float, float]]:
+    """x [L, T, F] (one layer's cache per row) -> {G: {fraction: relative error}}.
+
+    Each window of G adjacent layers, [T, G*F] with features side by side, is cut to its best rank-r
+    approximation (truncated SVD) with r from :func:`equal_bytes_rank`; the error is
+    ||X - X_r||_F / ||X||_F over all layers together. A G >= 2 below G = 1 means a shared token basis
+    stores the cache more cheaply than one basis per layer.
+    """
+    x = x.double()
+    L, T, F = x.shape
+    total = x.square().sum()
+    result: dict[int, dict[float, float]] = {}
+    for group in groups:
+        # squared singular values of every window, largest first; a shorter last window is its own batch
+        tails_of: list[torch.Tensor] = []
+        full = L // group * group
+        for layers, size in ((x[:full], group), (x[full:], L - full)):
+            if size:
+                windows = layers.reshape(-1, size, T, F)
+                wide = windows.permute(0, 2, 1, 3).reshape(windows.shape[0], T, size * F)  # [W, T, g*F]
+                tails_of.append(torch.linalg.svdvals(wide).square())
+        result[group] = {}
+        for fraction in fractions:
+            rank = equal_bytes_rank(fraction, L, T, F, group)
+            tail = sum(float(s[:, rank:].sum()) for s in tails_of)
+            result[group][fraction] = (tail / float(total)) ** 0.5
+    return result
 
 
 def measure(text: str, model: str, max_tokens: int, threads: int | None = None) -> LayerSimilarity:
@@ -83,7 +135,8 @@ def measure(text: str, model: str, max_tokens: int, threads: int | None = None) 
         values.append(store.values().float().transpose(0, 1).reshape(len(ids), -1))
     k_all, v_all = torch.stack(keys), torch.stack(values)
     return LayerSimilarity(tokens=len(ids), key_cosine=token_cosine(k_all).numpy(), key_cka=linear_cka(k_all).numpy(),
-                           value_cosine=token_cosine(v_all).numpy(), value_cka=linear_cka(v_all).numpy())
+                           value_cosine=token_cosine(v_all).numpy(), value_cka=linear_cka(v_all).numpy(),
+                           sharing={"keys": sharing_error(k_all), "values": sharing_error(v_all)})
 
 
 def plot(result: LayerSimilarity, path: Path, title: str) -> Path:
