@@ -2,9 +2,15 @@
 
 Local layers keep their bounded window exactly (never compressed; llama.cpp's SWA cache does the
 same) and count in the device tier; the method compresses the global layers, which it sees as a
-model of its own (the same dims, `n_layers` = the global layers, no local ones). A budget stays a
-fraction of the full-KV bytes of *all* layers (DESIGN §4): the windows' bytes come off it first and
-the method gets the rest as an absolute budget.
+model of its own (the same dims, `n_layers` = the global layers, no local ones).
+
+A fractional budget f caps the device tier at the smaller of
+  * f x the full-KV bytes of *all* layers (DESIGN §4), and
+  * the windows + f x the full-KV bytes of the global layers (what the method can compress).
+The second bound matters: with 5 of 6 layers windowed, the SWA cache itself holds only about 17-21%
+of DESIGN §4's full-KV bytes at 16-32K tokens, so by the first bound alone a 25% budget would compress
+nothing. A byte budget is the device limit as given. Either way the windows' bytes come off first
+and the method gets the rest as an absolute budget.
 """
 
 from __future__ import annotations
@@ -62,9 +68,14 @@ class MixedLayers(CachePolicy):
         """The method's share of the budget for about n_tokens: what the windows leave (None: no budget)."""
         if self.budget_spec is None:
             return None
-        whole = self.config.full_kv_bytes(max(int(n_tokens), 1))
-        total = int(self.budget_spec * whole) if isinstance(self.budget_spec, float) else int(self.budget_spec)
+        n = max(int(n_tokens), 1)
+        whole = self.config.full_kv_bytes(n)
         windows = self.window_bytes(chunk)
+        if isinstance(self.budget_spec, float):
+            compressible = len(self.global_layers) * self.config.full_kv_bytes(n) // self.config.n_layers
+            total = min(int(self.budget_spec * whole), windows + int(self.budget_spec * compressible))
+        else:
+            total = int(self.budget_spec)
         if total <= windows:
             raise BudgetError(
                 f"a budget of {total / 2**20:.2f} MiB does not even hold the sliding windows of the "
