@@ -572,7 +572,7 @@ def analyze_layers(file: Path | None, model: str, tokens: int, threads: int | No
     click.echo("(factor bytes as a fraction of the cache's):")
     groups = layer_similarity.SHARING_GROUPS
     click.echo(f"  {'':8s}{'bytes':>7s}" + "".join(f"{f'G={g}':>8s}" for g in groups))
-    for kind, by_group in (result.sharing or {}).items():
+    for kind, by_group in result.sharing.items():
         for fraction in layer_similarity.SHARING_FRACTIONS:
             click.echo(f"  {kind:8s}{fraction:7.3f}" + "".join(f"{by_group[g][fraction]:8.3f}" for g in groups))
     paths = layer_similarity.write(result, out, f"KV similarity between layers - {model}, {result.tokens} tokens")

@@ -72,7 +72,7 @@ class MixedLayers(CachePolicy):
         whole = self.config.full_kv_bytes(n)
         windows = self.window_bytes(chunk)
         if isinstance(self.budget_spec, float):
-            compressible = len(self.global_layers) * self.config.full_kv_bytes(n) // self.config.n_layers
+            compressible = len(self.global_layers) * whole // self.config.n_layers
             total = min(int(self.budget_spec * whole), windows + int(self.budget_spec * compressible))
         else:
             total = int(self.budget_spec)

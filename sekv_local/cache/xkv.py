@@ -83,6 +83,12 @@ class XkvConfig:
         need(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}")
 
 
+def factor_rank(values: int, tokens: int, layers: int, group: int, kv_dim: int) -> int:
+    """The largest rank r whose factors fit `values` numbers: W = ceil(layers / G) windows each store
+    A [T, r] and B [r, g_w * kv_dim], r * (W * T + layers * kv_dim) numbers in all."""
+    return values // (-(-layers // group) * tokens + layers * kv_dim)
+
+
 def derive_ranks(factor_bytes: int, tokens: int, layers: int, group: int, kv_dim: int, itemsize: int,
                  v_share: float) -> tuple[int, int]:
     """Ranks (r_k, r_v) whose factors fit `factor_bytes` for a context of `tokens`.
@@ -92,9 +98,7 @@ def derive_ranks(factor_bytes: int, tokens: int, layers: int, group: int, kv_dim
     The rank sum is the largest that fits; V gets `v_share` of it. For long contexts the factors alone
     compress by 2 * G * kv_dim / (r_k + r_v) (e.g. G=4, kv_dim=192, r_k+r_v=192: 8x).
     """
-    windows = -(-layers // group)
-    per_rank = itemsize * (windows * tokens + layers * kv_dim)
-    total = min(factor_bytes // per_rank, 2 * group * kv_dim)
+    total = min(factor_rank(factor_bytes // itemsize, tokens, layers, group, kv_dim), 2 * group * kv_dim)
     r_v = int(round(total * v_share))
     return int(total - r_v), r_v
 

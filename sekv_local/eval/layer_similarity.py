@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cache.xkv import factor_rank
 from ..documents import Document
 from ..session import Session, SessionSettings
 
@@ -37,7 +38,7 @@ class LayerSimilarity:
     key_cka: np.ndarray
     value_cosine: np.ndarray
     value_cka: np.ndarray
-    sharing: dict[str, dict[int, dict[float, float]]] | None = None  # "keys"/"values" -> G -> bytes fraction -> error
+    sharing: dict[str, dict[int, dict[float, float]]]  # "keys"/"values" -> G -> bytes fraction -> error
 
     def adjacent(self) -> dict[str, float]:
         """Mean of each measure over neighbouring layer pairs (l, l+1)."""
@@ -49,7 +50,7 @@ class LayerSimilarity:
 
     def as_dict(self) -> dict[str, Any]:
         sharing = {kind: {str(g): {str(f): round(e, 4) for f, e in by_f.items()} for g, by_f in by_g.items()}
-                   for kind, by_g in (self.sharing or {}).items()}
+                   for kind, by_g in self.sharing.items()}
         return {"tokens": self.tokens, "adjacent_mean": self.adjacent(), "sharing_error": sharing,
                 **{name: np.round(m, 4).tolist() for name, m in self.matrices().items()}}
 
@@ -76,13 +77,9 @@ SHARING_FRACTIONS = (0.5, 0.25, 0.125)
 
 
 def equal_bytes_rank(fraction: float, layers: int, tokens: int, features: int, group: int) -> int:
-    """Rank per window whose factors take `fraction` of the layers' uncompressed bytes.
-
-    W = ceil(layers / G) windows each store A [T, r] and B [r, g_w * F]: r * (W * T + layers * F) values
-    in all (as :func:`sekv_local.cache.xkv.derive_ranks` counts them), against layers * T * F uncompressed.
-    """
-    windows = -(-layers // group)
-    rank = int(fraction * layers * tokens * features // (windows * tokens + layers * features))
+    """Rank per window whose factors (counted as `xkv` stores them) take `fraction` of the layers'
+    uncompressed layers * T * F numbers."""
+    rank = factor_rank(int(fraction * layers * tokens * features), tokens, layers, group, features)
     return max(0, min(rank, tokens, group * features))
 
 
