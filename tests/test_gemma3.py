@@ -353,3 +353,85 @@ def test_metasoft_is_refused_clearly_on_gemma3(gemma_tokenizer) -> None:
     settings = SessionSettings(model=MODEL, threads=THREADS, method="metasoft", budget=0.5)
     with pytest.raises(SekvError, match="does not support gemma3"):
         Session.create(sample_document(), settings, show_progress=False, tokenizer=gemma_tokenizer)
+
+
+# -- router training on a model with sliding-window layers ------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma_model(gemma_path):
+    from sekv_local.models.transformer import Transformer
+
+    torch.set_num_threads(THREADS)
+    return Transformer.from_gguf(GGUFModelFile(gemma_path)).eval()
+
+
+@pytest.mark.slow
+def test_teacher_reproduces_the_model_with_its_windows(gemma_model, gemma_text_ids) -> None:
+    """The training teacher's one pass (windows, local RoPE) gives the logits of the model run with `full`."""
+    from sekv_local.train.teacher import run_teacher
+
+    rope = Rope(gemma_model.config)
+    context, query = gemma_text_ids[:700], gemma_text_ids[700:724]
+    record = run_teacher(gemma_model, rope, context, query)
+    policy = create_policy("full", gemma_model.config, rope)
+    ids = torch.tensor(context + query)
+    policy.begin_chunk(torch.arange(len(ids)), is_prefill=True)
+    with torch.no_grad():
+        reference = gemma_model(ids, policy, logits="all").float()[len(context):]
+    # `full` stores K/V in f16, the teacher keeps f32: logits differ by rounding only (without the
+    # windows or with one RoPE for all layers they would differ by whole nats, see the parity numbers)
+    assert (record.logits - reference).abs().max() < 0.05
+    assert torch.equal(record.logits.argmax(-1), reference.argmax(-1))
+    assert len(record.k) == gemma_model.config.n_layers
+
+
+@pytest.mark.slow
+def test_student_fully_zoomed_matches_the_teacher_and_trains_the_global_layers(gemma_model, gemma_tokenizer,
+                                                                              monkeypatch) -> None:
+    """With every span zoomed at full rank the student is exact attention, so its query logits equal the
+    teacher's (local layers through their windows); the router has one layer per global layer and each of
+    its parameters gets a gradient at the default initialization."""
+    from sekv_local.sekv.config import SekvConfig
+    from sekv_local.sekv.router import Router
+    from sekv_local.train.data import make_sample
+    from sekv_local.train.student import LossWeights, student_losses
+    from sekv_local.train.teacher import run_teacher
+
+    config = gemma_model.config
+    rope, sekv = Rope(config), SekvConfig()
+    sample = make_sample(1, 800, 24, gemma_tokenizer, PromptBuilder(gemma_tokenizer))
+    record = run_teacher(gemma_model, rope, sample.context, sample.query)
+    router = Router(config.global_config(), sekv)
+    assert router.q_proj.shape[0] == len(config.global_layers) == 3
+    with torch.no_grad():
+        router.threshold_logit.fill_(-40.0)  # gate = 1: every span rebuilt, no summary rows
+        router.rank_energy_logit.fill_(40.0)  # every singular value kept
+    with monkeypatch.context() as patch:
+        patch.setattr("sekv_local.train.student.RANK_TEMPERATURE", 1e-9)  # a hard rank gate: all of it
+        exact = student_losses(gemma_model, rope, router, sekv, record, LossWeights())
+    assert exact.parts["kl"] < 1e-5 and exact.parts["zoom_fraction"] > 0.999
+
+    router = Router(config.global_config(), sekv)
+    losses = student_losses(gemma_model, rope, router, sekv, record, LossWeights())
+    losses.total.backward()
+    for name, p in router.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert losses.parts["kl"] > exact.parts["kl"]
+
+
+@pytest.mark.slow
+def test_the_packaged_gemma_router_drives_sekv_on_the_global_layers(gemma_path, gemma_tokenizer) -> None:
+    """The router trained for this model file (packaged, matched by sha256) is found and serves the three
+    global layers inside MixedLayers, routing as its file says (union); checked against all 18 layers, its
+    dims are refused as another model's."""
+    from sekv_local.engines.base import EngineOptions
+    from sekv_local.engines.torch_engine import TorchEngine
+    from sekv_local.sekv.router_file import RouterFileError, build_router, load_router, packaged_routers_dir
+
+    engine = TorchEngine(gemma_path, gemma_tokenizer, EngineOptions(method="sekv", budget=0.25, threads=THREADS))
+    inner = engine.cache.inner
+    assert inner.router.trained and inner.router_kind == "union"  # the file says so (RESULTS, "Gemma 3")
+    assert inner.router.threshold_logit.shape[0] == 3
+    assert any("packaged for this model (gemma3-270m.safetensors)" in n for n in engine.notices)
+    params = load_router(packaged_routers_dir() / "gemma3-270m.safetensors")
+    with pytest.raises(RouterFileError, match="n_layers 3 \\(model: 18\\)"):
+        build_router(params, engine.config)

@@ -310,3 +310,29 @@ def test_token_surprisal_equals_the_log_softmax_definition() -> None:
     assert torch.allclose(last.double(), whole[-1], atol=1e-5)
     one_row, _ = token_surprisal(logits[1, -1:], ids[1], prev)  # "last" logits: only token 0 is predicted
     assert one_row[0] == second[0] and torch.count_nonzero(one_row[1:]) == 0
+
+
+def test_union_router_takes_half_the_pool_from_each_rule() -> None:
+    """router=union: the first half of every zoom choice is the attention rule's top spans, the rest the
+    learned router's best among the others (same memory, same queries: the three runs see one stream)."""
+    from sekv_local.sekv.config import SekvConfig
+    from sekv_local.sekv.router import Router
+
+    router = Router(CFG, SekvConfig())
+    with torch.no_grad():  # a learned ranking unlike the attention rule's
+        router.q_proj.normal_(generator=torch.Generator().manual_seed(3))
+    router.trained = True
+    events = {}
+    for kind in ("attention", "projection", "union"):
+        sekv = create_policy("sekv", CFG, Rope(CFG), budget=10 ** 9, zoom_k=4, dtype="f32", recent=8, l_min=4,
+                             l_max=8, n_sink=2, router_module=router, router=kind)
+        run(sekv, 200, 50)
+        events[kind] = torch.stack([c for _, c in sekv._zoom_events])  # [events, KV, 4]
+    union, attention, learned = events["union"], events["attention"], events["projection"]
+    assert torch.equal(union[..., :2], attention[..., :2])
+    differs = 0
+    for u, a, p in zip(union.reshape(-1, 4).tolist(), attention.reshape(-1, 4).tolist(), learned.reshape(-1, 4).tolist()):
+        # the learned top 4 less the (at most 2) attention picks still holds the learned top 2 of the rest
+        assert len(set(u)) == 4 and u[2:] == [s for s in p if s not in u[:2]][:2]
+        differs += set(a) != set(u)
+    assert differs > 0  # the union is not just the attention rule

@@ -15,7 +15,6 @@ and the method gets the rest as an absolute budget.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -37,10 +36,9 @@ class MixedLayers(CachePolicy):
     def __init__(self, factory: PolicyFactory, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu",
                  budget: float | int | None = None, **options: Any) -> None:
         super().__init__(config, rope, device)
-        self.global_layers = [i for i in range(config.n_layers) if not config.is_local(i)]
+        self.global_layers = list(config.global_layers)
         self._inner_index = {layer: j for j, layer in enumerate(self.global_layers)}
-        global_config = dataclasses.replace(config, n_layers=len(self.global_layers), local_layers=(),
-                                            sliding_window=None, rope_base_local=None)
+        global_config = config.global_config()
         self.budget_spec = budget
         keep = config.sliding_window - 1
         # rows are dropped window/2 at a time (one copy per that many decode tokens) and prefill chunks are

@@ -103,7 +103,7 @@ class TorchEngine(Engine):
             from ..sekv.router_file import build_router, find_trained_router
 
             params, note = find_trained_router(self.gguf_file)
-            self._router = build_router(params, self.config, self.gguf_path.name) if params is not None else None
+            self._router = build_router(params, self.config.global_config(), self.gguf_path.name) if params is not None else None
             self.notices.append(note)
         return self._router
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ModelError
@@ -78,6 +79,19 @@ class ModelConfig:
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window (local) layer."""
         return bool(self.local_layers) and self.local_layers[layer]
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Layers with full causal attention, in order (every layer unless some are local)."""
+        return tuple(i for i in range(self.n_layers) if not self.is_local(i))
+
+    def global_config(self) -> "ModelConfig":
+        """The model as cache methods and the SeKV router see it: its global layers only (local layers keep
+        exact sliding windows outside any method). Itself when every layer is global."""
+        if not self.has_local_layers:
+            return self
+        return dataclasses.replace(self, n_layers=len(self.global_layers), local_layers=(), sliding_window=None,
+                                   rope_base_local=None)
 
     def window(self, layer: int) -> int | None:
         """Keys a query of `layer` may see (itself included), or None for full causal attention."""

@@ -146,7 +146,7 @@ class GGUFModelFile:
 
         params = read_gguf_router(self.metadata, self.keys(), self.path.name)
         if params is not None:
-            params.check_model(self.config, self.path.name)
+            params.check_model(self.config.global_config(), self.path.name)
         return params
 
     def has_tensor(self, name: str) -> bool:

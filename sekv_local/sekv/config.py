@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
-ROUTERS = ("auto", "projection", "attention", "bounds")
+ROUTERS = ("auto", "projection", "attention", "bounds", "union")
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class SekvConfig:
         "projection" (DESIGN §5.4 formula through the Router module) or "attention" (zoom where the
         coarse summary rows get the most attention logit; training-free) or "bounds" (Quest-style: per span
         the element-wise min and max of its keys give an upper bound of q.k over its tokens; 2*head_dim more
-        device values per span and KV head, training-free).
+        device values per span and KV head, training-free) or "union" (half the zoom pool by the attention
+        rule, the other half by the learned router: the two choose different spans, see RESULTS "Gemma 3").
     share_layers: G > 1 factors each span jointly over G adjacent layers and all KV heads (one token basis
         per span for the window, xKV's cross-layer sharing applied to span factors: `sekv+xkv`).
     summary_bias: multiplier of the +log|S| bias of unexpanded spans' summary rows (1 = DESIGN §5.5;

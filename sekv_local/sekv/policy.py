@@ -106,10 +106,11 @@ class SekvCache(CachePolicy):
         self._plan()
 
     def _router_kind(self) -> str:
-        """"auto": the learned formula once trained parameters exist, the training-free rule before."""
+        """"auto": once trained parameters exist, the routing their file names (the learned formula, or the
+        union with the attention rule); the training-free rule before."""
         if self.cfg.router != "auto":
             return self.cfg.router
-        return "projection" if self.router.trained else "attention"
+        return self.router.auto_kind if self.router.trained else "attention"
 
     # -- budget ------------------------------------------------------------------------------------
     @property
@@ -282,15 +283,21 @@ class SekvCache(CachePolicy):
             bound = bound_scores(q_own, L.bound_k.view().repeat_interleave(G, dim=0))  # [H, T, S]
             score = bound.view(KV, G, -1, bound.shape[-1]).amax(dim=(1, 2))
             return torch.topk(score, k_zoom, dim=-1).indices
-        if self.router_kind == "attention":
+        if self.router_kind in ("attention", "union"):
             logits = q_rot @ sum_k_rot.repeat_interleave(G, dim=0).transpose(1, 2) / math.sqrt(q.shape[-1])
-            score = (logits + log_len).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))  # [KV, S]
-            return torch.topk(score, k_zoom, dim=-1).indices
+            attention = (logits + log_len).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))  # [KV, S]
+            if self.router_kind == "attention":
+                return torch.topk(attention, k_zoom, dim=-1).indices
         logits = self.router.relevance_logits(layer, q, L.route_k.view(), log_len)  # [H, T, S]
         passed = logits > self.zoom_thresholds()[layer][:, None, None]
         score = torch.where(passed, logits, float("-inf")).view(KV, G, -1, logits.shape[-1]).amax(dim=(1, 2))
+        first = []
+        if self.router_kind == "union":  # half the pool by the attention rule, the rest by the learned score
+            first = [torch.topk(attention, (k_zoom + 1) // 2, dim=-1).indices]
+            score = score.scatter(-1, first[0], float("-inf"))
+            k_zoom -= first[0].shape[-1]
         top = torch.topk(score, k_zoom, dim=-1)
-        return torch.where(torch.isfinite(top.values), top.indices, -1)
+        return torch.cat(first + [torch.where(torch.isfinite(top.values), top.indices, -1)], dim=-1)
 
     def zoom_thresholds(self) -> torch.Tensor:
         """Per-layer, per-head thresholds [L, H] a span's relevance logit must pass to be zoomed: the learned

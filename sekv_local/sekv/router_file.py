@@ -34,6 +34,8 @@ PREFIX = "sekv."
 DIM_KEYS = ("n_layers", "n_heads", "n_kv_heads", "head_dim", "routing_dim")
 _MAX_DIM = 65536
 _MAX_JSON = 1 << 20
+#: what `router=auto` may run with a trained router (the file says which; "projection" when it does not)
+AUTO_ROUTERS = ("projection", "union")
 
 
 class RouterFileError(SekvError):
@@ -121,7 +123,11 @@ def params_of(router: Router, config: ModelConfig, hparams: dict[str, Any] | Non
 def build_router(params: RouterParams, config: ModelConfig, source: str = "router") -> Router:
     """A trained Router for `config` from `params` (dims checked first)."""
     params.check_model(config, source)
+    auto = params.info.get("auto_router", "projection")
+    if auto not in AUTO_ROUTERS:
+        raise RouterFileError(f"{source}: auto_router must be one of {AUTO_ROUTERS}, got {auto!r}")
     router = Router(config, SekvConfig(routing_dim=params.dims["routing_dim"]))
+    router.auto_kind = auto
     with torch.no_grad():
         for name in PARAMETER_SHAPES:
             getattr(router, name).copy_(params.tensors[name])

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..cache.attention import chunk_causal_mask, gqa_attention
 from ..models.rope import Rope
 from ..sekv.config import SekvConfig
 from ..sekv.router import Router
@@ -81,16 +82,18 @@ class SoftSekvCache(OnePassPolicy):
     """Attention of the query tokens over the soft SeKV memory of the teacher's context (see module doc)."""
 
     name = "sekv-student"
+    #: local layers of a Gemma 3 model attend exactly within their window (never compressed, as in
+    #: MixedLayers); the router has one layer per global layer
+    supports_sliding_window = True
 
     def __init__(self, record: TeacherRecord, rope: Rope, router: Router, cfg: SekvConfig,
                  layout: SpanLayout, config: Any) -> None:
         super().__init__(config, rope)
         self.record, self.router, self.cfg, self.layout = record, router, cfg, layout
         self.terms: list[LayerTerms] = []
-        n = record.n_context
-        self._ctx_pos = torch.arange(n)
         self._log_len = layout.lengths.float().log()
-        self._svd = [self._factor(layer) for layer in range(config.n_layers)]
+        self._router_layer = {layer: j for j, layer in enumerate(config.global_layers)}
+        self._svd = {layer: self._factor(layer) for layer in config.global_layers}
 
     @torch.no_grad()
     def _factor(self, layer: int) -> tuple[Any, ...]:
@@ -108,7 +111,10 @@ class SoftSekvCache(OnePassPolicy):
         return tuple(out)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.config.is_local(layer):
+            return self._attend_window(layer, q, k, v)
         rec, lay, router = self.record, self.layout, self.router
+        j = self._router_layer[layer]
         H, M, D = q.shape
         KV = k.shape[0]
         G = H // KV
@@ -122,7 +128,7 @@ class SoftSekvCache(OnePassPolicy):
         k_exact = self.rope.apply(k_ctx_pre[:, lay.exact], lay.exact)
         v_exact = v_ctx[:, lay.exact]
         # rebuilt rows through the soft rank gate (same gate for K and V, as in SekvCache)
-        tau = torch.sigmoid(router.rank_energy_logit[layer])[:, None, None]  # [KV, 1, 1]
+        tau = torch.sigmoid(router.rank_energy_logit[j])[:, None, None]  # [KV, 1, 1]
         rebuilt, recon, kept = [], [], []
         for padded, U, s, Vh, before in self._svd[layer]:
             real = torch.arange(s.shape[-1])[None, :] < lay.lengths[:, None]  # [S, m]: past a span's length s = 0
@@ -140,9 +146,9 @@ class SoftSekvCache(OnePassPolicy):
         sum_k_pre = torch.einsum("ksld,sl->ksd", self._svd[layer][0][0], w)
         sum_k = self.rope.apply(sum_k_pre, lay.centers)
         sum_v = torch.einsum("ksld,sl->ksd", self._svd[layer][1][0], w)
-        route_k = router.routing_keys(layer, sum_k_pre)
-        gate_logits = router.relevance_logits(layer, q, route_k, self._log_len) \
-            - router.thresholds(layer)[:, None, None]  # [H, M, S]
+        route_k = router.routing_keys(j, sum_k_pre)
+        gate_logits = router.relevance_logits(j, q, route_k, self._log_len) \
+            - router.thresholds(j)[:, None, None]  # [H, M, S]
         log_g, log_not_g = F.logsigmoid(gate_logits), F.logsigmoid(-gate_logits)
 
         def scores(keys: torch.Tensor) -> torch.Tensor:  # [KV, N, D] -> [H, M, N]
@@ -160,6 +166,18 @@ class SoftSekvCache(OnePassPolicy):
         self.terms.append(LayerTerms(gate_logits, self._target(layer), torch.stack(kept).mean(),
                                      torch.stack(recon).mean()))
         return out
+
+    def _attend_window(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Exact sliding-window attention of a local layer: the query tokens over the last window - 1
+        context tokens and themselves, with the local RoPE. [H, M, D]"""
+        n, window = self.record.n_context, self.config.sliding_window
+        first = max(0, n - window + 1)
+        keys = torch.cat([self.record.k[layer][:, first:n].float(), k], dim=1)
+        values = torch.cat([self.record.v[layer][:, first:n].float(), v], dim=1)
+        rope, cos_sin = self.layer_rope(layer)
+        key_pos = torch.arange(first, n + q.shape[1])
+        return gqa_attention(rope.apply(q, self._positions, cos_sin), rope.apply(keys, key_pos), values,
+                             mask=chunk_causal_mask(q.shape[1], keys.shape[1], window=window))
 
     @torch.no_grad()
     def _target(self, layer: int, cover: float = 0.8, floor: float = 0.01) -> torch.Tensor:

@@ -48,9 +48,11 @@ class OnePassPolicy(CachePolicy):
 
 
 class _RecordingCache(OnePassPolicy):
-    """Exact causal attention over one chunk (the whole sequence) that keeps K, V and the last queries."""
+    """Exact causal attention over one chunk (the whole sequence) that keeps K, V and the last queries.
+    Sliding-window layers (Gemma 3) attend within their window with their own RoPE, as the model does."""
 
     name = "teacher"
+    supports_sliding_window = True
 
     def __init__(self, model: Transformer, rope: Rope, n_query: int, feature_layers: int = 0) -> None:
         super().__init__(model.config, rope)
@@ -68,8 +70,9 @@ class _RecordingCache(OnePassPolicy):
         if layer < self.feature_layers:
             self.features.append(q[:, : q.shape[1] - self.n_query].float().mean(dim=1))
         T = q.shape[1]
-        return gqa_attention(self.rope.apply(q, self._positions, self._cos_sin),
-                             self.rope.apply(k, self._positions, self._cos_sin), v, mask=chunk_causal_mask(T, T))
+        rope, cos_sin = self.layer_rope(layer)
+        return gqa_attention(rope.apply(q, self._positions, cos_sin), rope.apply(k, self._positions, cos_sin), v,
+                             mask=chunk_causal_mask(T, T, window=self.config.window(layer)))
 
 
 @torch.no_grad()

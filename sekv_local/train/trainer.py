@@ -23,7 +23,7 @@ import torch
 from ..errors import Interrupted, SekvError, config_check
 from ..sekv.config import SekvConfig
 from ..sekv.router import Router
-from ..sekv.router_file import params_of, save_router
+from ..sekv.router_file import AUTO_ROUTERS, params_of, save_router
 from .student import LossWeights, student_losses
 
 SEED_STRIDE = 1_000_000
@@ -39,7 +39,9 @@ class TrainingInterrupted(Interrupted):
 class TrainConfig:
     """steps: optimizer steps (one sample each); lr: Adam step size; seed: picks the training samples;
     context_tokens / query_tokens: sizes of a sample's context (the memory) and its query;
-    checkpoint_every: steps between checkpoints; max_minutes: stop (and save) after this much time."""
+    checkpoint_every: steps between checkpoints; max_minutes: stop (and save) after this much time;
+    auto_router: the routing SeKV's `router=auto` uses with this router ("projection": the learned one;
+    "union": half the zoom pool by the attention rule), stored in the file; training does not use it."""
 
     model: str = "smollm2-135m"
     steps: int = 400
@@ -49,6 +51,7 @@ class TrainConfig:
     query_tokens: int = 48
     checkpoint_every: int = 20
     max_minutes: float | None = None
+    auto_router: str = "projection"
     weights: LossWeights = field(default_factory=LossWeights)
 
     def __post_init__(self) -> None:
@@ -60,11 +63,12 @@ class TrainConfig:
         need(1 <= self.query_tokens <= 512, "query_tokens must be in [1, 512]")
         need(self.checkpoint_every >= 1, "checkpoint_every must be >= 1")
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes must be > 0")
+        need(self.auto_router in AUTO_ROUTERS, f"auto_router must be one of {AUTO_ROUTERS}")
 
     def fingerprint(self) -> dict[str, Any]:
         """Settings a resumed run must share with the run it continues (steps and time limit may change)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("steps", "max_minutes",
-                                                                                 "checkpoint_every")}
+                                                                                 "checkpoint_every", "auto_router")}
         out["weights"] = asdict(self.weights)
         return out
 
@@ -184,7 +188,8 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
     prompt = PromptBuilder(tokenizer)
     rope = Rope(model.config)
     sekv = SekvConfig()
-    router = Router(model.config, sekv)
+    routed = model.config.global_config()  # Gemma 3: the router serves the global layers only
+    router = Router(routed, sekv)
     optimizer = torch.optim.Adam(router.parameters(), lr=config.lr)
     def one_step(step: int) -> tuple[torch.Tensor, dict[str, Any], dict[str, float]]:
         sample = make_sample(config.seed * SEED_STRIDE + step, config.context_tokens, config.query_tokens,
@@ -200,9 +205,10 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
         recent = history[-50:]
         info = {"model": config.model, "model_sha256": file_sha256(model_path), "steps": step, "seed": config.seed,
                 "lr": config.lr, "context_tokens": config.context_tokens, "query_tokens": config.query_tokens,
+                "auto_router": config.auto_router,
                 "final_losses": {k: round(sum(h[k] for h in recent) / len(recent), 6)
                                  for k in ("kl", "zoom_bce", "reconstruction", "budget", "zoom_fraction",
                                            "rank_fraction")}}
         hparams = {f.name: getattr(sekv, f.name) for f in fields(sekv)}
-        save_router(out, params_of(router, model.config, hparams, info))
+        save_router(out, params_of(router, routed, hparams, info))
     return TrainResult(out, step, finished, minutes, history, steps_run)

@@ -1,0 +1,62 @@
+"""Which spans SeKV zooms for one bench question, under several SeKV variants.
+
+Rebuilds question `--sample` of the bench suite (task, length, `--samples`, `--seed` as in `sekv-local
+bench`), answers it with the torch engine once per variant, and prints the prediction, the score and the
+zoomed spans within 80 tokens of the needle (span start, length, how many layer x step choices hit it).
+
+    python scripts/zoom_diagnostic.py -m gemma3-270m --task niah_single --length 16384 --sample 0 \\
+        --variant '{"rank_gate": false}' --variant '{"trained": false}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from sekv_local.engines import EngineOptions, create_engine
+from sekv_local.eval.runner import _prompt_overhead, run_sample
+from sekv_local.eval.tasks import generate_suite
+from sekv_local.models.prompt import PromptBuilder
+from sekv_local.models.registry import resolve_model
+from sekv_local.models.tokenizer import Tokenizer
+from sekv_local.session import SessionSettings
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default="gemma3-270m")
+    ap.add_argument("--task", default="niah_single")
+    ap.add_argument("--length", type=int, default=16384)
+    ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--sample", type=int, default=0)
+    ap.add_argument("--budget", type=float, default=0.25)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variant", action="append", default=[], help="SeKV options as JSON (repeatable; {} = default)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    tokenizer = Tokenizer(path)
+    suite = generate_suite(args.task, args.length - _prompt_overhead(PromptBuilder(tokenizer)), args.samples,
+                           args.seed, tokenizer.count)
+    sample = suite[args.sample]
+    answer = sample.questions[0].answers[0]
+    needle = len(tokenizer.encode(sample.document[: sample.document.find(answer)]))
+    print(f"{args.task} {args.length} sample {args.sample}: answer {answer}, about document token {needle}")
+    for variant in args.variant or ["{}"]:
+        options = json.loads(variant)
+        engine = create_engine("torch", path, tokenizer, EngineOptions(
+            method="sekv", budget=args.budget, threads=args.threads, method_options=options))
+        settings = SessionSettings(model=args.model, engine="torch", method="sekv", budget=args.budget,
+                                   threads=args.threads, method_options=tuple(sorted(options.items())))
+        records, _ = run_sample(engine, sample, settings, path, 32)
+        zoomed = engine.cache.observations().get("zoomed", [])
+        near = [z for z in zoomed if z["start"] - 80 <= needle <= z["start"] + z["length"] + 80]
+        print(f"{variant}: {records[0]['prediction'][:40]!r} score {records[0]['score']}, {len(zoomed)} spans "
+              f"zoomed, near the needle: {near}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
