@@ -95,19 +95,21 @@ def test_not_a_router_file(tmp_path: Path) -> None:
         load_router(tmp_path / "missing.safetensors")
 
 
-@pytest.mark.parametrize("auto", [None, "projection", "union"])
+@pytest.mark.parametrize("auto", [None, "projection", "union", "attention"])
 def test_the_router_file_names_what_router_auto_runs(auto: str | None) -> None:
-    """A router file says which routing `router=auto` uses with it (none said: the learned projection);
-    an explicit router option still wins."""
+    """A router file says which routing `router=auto` uses with it (none said: the learned projection;
+    "attention": the training-free defaults, untrained router and all); a router named explicitly still
+    gets the trained parameters."""
     from sekv_local.cache import create_policy
     from sekv_local.models.rope import Rope
 
     params = params_of(perturbed_router(TINY), TINY, info={} if auto is None else {"auto_router": auto})
     router = build_router(params, TINY)
-    assert create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router).router_kind == \
-        (auto or "projection")
-    assert create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router,
-                         router="attention").router_kind == "attention"
+    default = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router)
+    assert default.router_kind == (auto or "projection")
+    assert default.router.trained == (auto != "attention")
+    named = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router, router="union")
+    assert named.router_kind == "union" and named.router is router
 
 
 def test_an_unknown_auto_router_is_refused() -> None:

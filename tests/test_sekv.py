@@ -331,7 +331,8 @@ def test_union_router_takes_half_the_pool_from_each_rule() -> None:
     union, attention, learned = events["union"], events["attention"], events["projection"]
     assert torch.equal(union[..., :2], attention[..., :2])
     differs = 0
-    for u, a, p in zip(union.reshape(-1, 4).tolist(), attention.reshape(-1, 4).tolist(), learned.reshape(-1, 4).tolist()):
+    rows = zip(*(x.reshape(-1, 4).tolist() for x in (union, attention, learned)))
+    for u, a, p in rows:
         # the learned top 4 less the (at most 2) attention picks still holds the learned top 2 of the rest
         assert len(set(u)) == 4 and u[2:] == [s for s in p if s not in u[:2]][:2]
         differs += set(a) != set(u)

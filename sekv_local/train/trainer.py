@@ -41,7 +41,8 @@ class TrainConfig:
     context_tokens / query_tokens: sizes of a sample's context (the memory) and its query;
     checkpoint_every: steps between checkpoints; max_minutes: stop (and save) after this much time;
     auto_router: the routing SeKV's `router=auto` uses with this router ("projection": the learned one;
-    "union": half the zoom pool by the attention rule), stored in the file; training does not use it."""
+    "union": half the zoom pool by the attention rule; "attention": the training-free defaults, the router
+    only when asked for by name), stored in the file; training does not use it."""
 
     model: str = "smollm2-135m"
     steps: int = 400
