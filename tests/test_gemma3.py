@@ -360,7 +360,6 @@ def test_metasoft_is_refused_clearly_on_gemma3(gemma_tokenizer) -> None:
 def gemma_model(gemma_path):
     from sekv_local.models.transformer import Transformer
 
-    torch.set_num_threads(THREADS)
     return Transformer.from_gguf(GGUFModelFile(gemma_path)).eval()
 
 
