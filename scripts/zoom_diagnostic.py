@@ -16,7 +16,7 @@ import json
 import torch
 
 from sekv_local.engines import EngineOptions, create_engine
-from sekv_local.eval.runner import _prompt_overhead, run_sample
+from sekv_local.eval.runner import prompt_overhead, run_sample
 from sekv_local.eval.tasks import generate_suite
 from sekv_local.models.prompt import PromptBuilder
 from sekv_local.models.registry import resolve_model
@@ -39,7 +39,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     tokenizer = Tokenizer(path)
-    suite = generate_suite(args.task, args.length - _prompt_overhead(PromptBuilder(tokenizer)), args.samples,
+    suite = generate_suite(args.task, args.length - prompt_overhead(PromptBuilder(tokenizer)), args.samples,
                            args.seed, tokenizer.count)
     sample = suite[args.sample]
     answer = sample.questions[0].answers[0]

@@ -18,6 +18,7 @@ from .errors import Interrupted, SekvError
 from .models import registry
 from .method_variant import split_variant
 from .session import Session, SessionSettings
+from .sekv.config import AUTO_ROUTERS
 
 
 def _parse_budget(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | int | None:
@@ -327,10 +328,9 @@ def perplexity(methods_: str, budgets: str, context_: str, out: Path, **kw: Any)
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True),
               help="Stop (checkpoint saved) after this long; run again to continue.")
 @click.option("--threads", type=click.IntRange(1, 256), help="CPU threads (default: all cores).")
-@click.option("--auto-router", type=click.Choice(["projection", "union", "attention"]),
+@click.option("--auto-router", type=click.Choice(list(AUTO_ROUTERS)),
               help="SeKV: the routing `router=auto` runs with this router, stored in the file (default projection: "
-                   "the learned router; union: half the zoom pool by the attention rule; attention: the "
-                   "training-free defaults, the router only when named). Training does not use it.")
+                   "the learned router; union: half the zoom pool by the attention rule). Training does not use it.")
 @click.option("--fresh", is_flag=True, help="Ignore an existing checkpoint and start over.")
 def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, **kw: Any) -> None:
     """Train a method's parameters against the frozen model's full-KV behaviour: SeKV's router

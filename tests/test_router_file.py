@@ -95,11 +95,10 @@ def test_not_a_router_file(tmp_path: Path) -> None:
         load_router(tmp_path / "missing.safetensors")
 
 
-@pytest.mark.parametrize("auto", [None, "projection", "union", "attention"])
+@pytest.mark.parametrize("auto", [None, "projection", "union"])
 def test_the_router_file_names_what_router_auto_runs(auto: str | None) -> None:
-    """A router file says which routing `router=auto` uses with it (none said: the learned projection;
-    "attention": the training-free defaults, untrained router and all); a router named explicitly still
-    gets the trained parameters."""
+    """A router file says which routing `router=auto` uses with it (none said: the learned projection);
+    a router named explicitly still gets the trained parameters."""
     from sekv_local.cache import create_policy
     from sekv_local.models.rope import Rope
 
@@ -107,13 +106,13 @@ def test_the_router_file_names_what_router_auto_runs(auto: str | None) -> None:
     router = build_router(params, TINY)
     default = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router)
     assert default.router_kind == (auto or "projection")
-    assert default.router.trained == (auto != "attention")
+    assert default.router is router
     named = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router, router="union")
     assert named.router_kind == "union" and named.router is router
 
 
 def test_an_unknown_auto_router_is_refused() -> None:
-    params = params_of(perturbed_router(TINY), TINY, info={"auto_router": "bounds"})
+    params = params_of(perturbed_router(TINY), TINY, info={"auto_router": "attention"})
     with pytest.raises(RouterFileError, match="auto_router must be one of"):
         build_router(params, TINY)
 

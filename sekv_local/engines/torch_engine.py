@@ -106,9 +106,6 @@ class TorchEngine(Engine):
             # the router serves the layers a cache method compresses (Gemma 3: the global ones)
             self._router = None if params is None else build_router(params, self.config.global_config(),
                                                                     self.gguf_path.name)
-            if self._router is not None and self._router.auto_kind == "attention":
-                note += ("; by default SeKV routes training-free with this model, the router serves a router "
-                         "named as an option (e.g. sekv@router=union)")
             self.notices.append(note)
         return self._router
 

@@ -139,7 +139,7 @@ def _atomic_write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _prompt_overhead(prompt: PromptBuilder) -> int:
+def prompt_overhead(prompt: PromptBuilder) -> int:
     """Tokens around the document: prefix + a typical question turn + slack."""
     question = "What is the special magic number for brave-lion mentioned in the provided text? " \
                "Answer with the number only."
@@ -227,7 +227,7 @@ def run_bench(config: BenchConfig, show_progress: bool = True) -> dict[str, Path
     model_path = resolve_model(config.model, show_progress=show_progress)
     tokenizer = Tokenizer(model_path)
     prompt = PromptBuilder(tokenizer)
-    overhead = _prompt_overhead(prompt)
+    overhead = prompt_overhead(prompt)
     suites: dict[tuple[str, int], list[Sample]] = {}
 
     plan = plan_cells(config, done)

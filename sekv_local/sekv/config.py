@@ -9,6 +9,8 @@ from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
 ROUTERS = ("auto", "projection", "attention", "bounds", "union")
+#: what `router=auto` runs once a trained router is loaded: its file names one ("projection" when it does not)
+AUTO_ROUTERS = ("projection", "union")
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,7 @@ class SekvCache(CachePolicy):
         if isinstance(budget, float) and not 0 < budget <= 1:
             raise SekvError(f"sekv: a fractional budget must be in (0, 1], got {budget}")
         self.budget_spec = budget
-        # a router file whose auto routing is "attention" keeps router=auto on the training-free defaults
-        use = router_module is not None and self.cfg.trained and not (
-            self.cfg.router == "auto" and router_module.auto_kind == "attention")
+        use = router_module is not None and self.cfg.trained
         self.router = router_module if use else Router(config, self.cfg)
         self.router_kind = self._router_kind()
         self._bounds = self.router_kind == "bounds"

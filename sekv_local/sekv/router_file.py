@@ -26,7 +26,7 @@ import torch
 
 from ..errors import SekvError
 from ..models.config import ModelConfig
-from .config import SekvConfig
+from .config import AUTO_ROUTERS, SekvConfig
 from .router import PARAMETER_SHAPES, Router
 
 FORMAT_VERSION = 1
@@ -34,10 +34,6 @@ PREFIX = "sekv."
 DIM_KEYS = ("n_layers", "n_heads", "n_kv_heads", "head_dim", "routing_dim")
 _MAX_DIM = 65536
 _MAX_JSON = 1 << 20
-#: what `router=auto` runs with a trained router (the file says which; "projection" when it does not):
-#: the learned router, its union with the attention rule, or "attention": the training-free defaults
-#: (the file's parameters then serve only a router asked for by name)
-AUTO_ROUTERS = ("projection", "union", "attention")
 
 
 class RouterFileError(SekvError):

@@ -21,9 +21,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import Interrupted, SekvError, config_check
-from ..sekv.config import SekvConfig
+from ..sekv.config import AUTO_ROUTERS, SekvConfig
 from ..sekv.router import Router
-from ..sekv.router_file import AUTO_ROUTERS, params_of, save_router
+from ..sekv.router_file import params_of, save_router
 from .student import LossWeights, student_losses
 
 SEED_STRIDE = 1_000_000
@@ -41,8 +41,7 @@ class TrainConfig:
     context_tokens / query_tokens: sizes of a sample's context (the memory) and its query;
     checkpoint_every: steps between checkpoints; max_minutes: stop (and save) after this much time;
     auto_router: the routing SeKV's `router=auto` uses with this router ("projection": the learned one;
-    "union": half the zoom pool by the attention rule; "attention": the training-free defaults, the router
-    only when asked for by name), stored in the file; training does not use it."""
+    "union": half the zoom pool by the attention rule), stored in the file; training does not use it."""
 
     model: str = "smollm2-135m"
     steps: int = 400
