@@ -54,8 +54,9 @@ def main() -> None:
         records, _ = run_sample(engine, sample, settings, path, 32)
         zoomed = engine.cache.observations().get("zoomed", [])
         near = [z for z in zoomed if z["start"] - 80 <= needle <= z["start"] + z["length"] + 80]
-        print(f"{variant}: {records[0]['prediction'][:40]!r} score {records[0]['score']}, {len(zoomed)} spans "
-              f"zoomed, near the needle: {near}", flush=True)
+        rec = records[0]
+        print(f"{variant}: {rec['prediction'][:40]!r} score {rec['score']}, host {rec['host_bytes'] / 2**20:.1f} MiB, "
+              f"{len(zoomed)} spans zoomed, near the needle: {near}", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from .errors import Interrupted, SekvError
 from .models import registry
 from .method_variant import split_variant
 from .session import Session, SessionSettings
-from .sekv.config import AUTO_ROUTERS
+from .sekv.config import AUTO_RANK_RULES, AUTO_ROUTERS
 
 
 def _parse_budget(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | int | None:
@@ -331,6 +331,9 @@ def perplexity(methods_: str, budgets: str, context_: str, out: Path, **kw: Any)
 @click.option("--auto-router", type=click.Choice(list(AUTO_ROUTERS)),
               help="SeKV: the routing `router=auto` runs with this router, stored in the file (default projection: "
                    "the learned router; union: half the zoom pool by the attention rule). Training does not use it.")
+@click.option("--rank-rule", type=click.Choice(list(AUTO_RANK_RULES)),
+              help="SeKV: the span rank rule `rank_rule=auto` runs with this router, stored in the file (default span: "
+                   "energy of the whole span; row: energy of every token row). Training does not use it.")
 @click.option("--fresh", is_flag=True, help="Ignore an existing checkpoint and start over.")
 def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, **kw: Any) -> None:
     """Train a method's parameters against the frozen model's full-KV behaviour: SeKV's router
@@ -342,8 +345,8 @@ def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, 
     if method == "metasoft":
         from .train.metasoft import MetaSoftTrainConfig, train_metasoft
 
-        if "auto_router" in kw:
-            raise SekvError("--auto-router is a SeKV router setting; Meta-Soft has no router")
+        if "auto_router" in kw or "rank_rule" in kw:
+            raise SekvError("--auto-router and --rank-rule are SeKV router settings; Meta-Soft has no router")
 
         if "steps" in kw:
             kw["library_steps"] = kw["steps"] // 2

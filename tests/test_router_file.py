@@ -13,6 +13,7 @@ import torch
 
 from stock_llama import stock_completion
 from sekv_local.engines import EngineOptions
+from sekv_local.errors import SekvError
 from sekv_local.engines.torch_engine import TorchEngine
 from sekv_local.models.config import ModelConfig
 from sekv_local.models.gguf_file import GGUFModelFile
@@ -115,6 +116,28 @@ def test_an_unknown_auto_router_is_refused() -> None:
     params = params_of(perturbed_router(TINY), TINY, info={"auto_router": "attention"})
     with pytest.raises(RouterFileError, match="auto_router must be one of"):
         build_router(params, TINY)
+
+
+@pytest.mark.parametrize("rule", [None, "span", "row"])
+def test_the_router_file_names_what_rank_rule_auto_runs(rule: str | None) -> None:
+    """Likewise for the span rank rule; untrained SeKV and an explicit rank_rule ignore the file."""
+    from sekv_local.cache import create_policy
+    from sekv_local.models.rope import Rope
+
+    params = params_of(perturbed_router(TINY), TINY, info={} if rule is None else {"rank_rule": rule})
+    router = build_router(params, TINY)
+    make = lambda **kw: create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router, **kw)  # noqa: E731
+    assert make()._per_row == (rule == "row")
+    assert not make(trained=False)._per_row
+    assert make(rank_rule="row")._per_row and not make(rank_rule="span")._per_row
+
+
+def test_an_unknown_rank_rule_is_refused() -> None:
+    params = params_of(perturbed_router(TINY), TINY, info={"rank_rule": "token"})
+    with pytest.raises(RouterFileError, match="rank_rule must be one of"):
+        build_router(params, TINY)
+    with pytest.raises(SekvError, match="rank_rule must be one of"):
+        SekvConfig(rank_rule="token")
 
 
 def test_router_for_other_dims_is_refused() -> None:

@@ -130,6 +130,23 @@ def test_factor_store_is_exact_at_full_rank_and_never_larger_than_raw() -> None:
     assert store.u.length + store.w.length <= int((lengths * 2 * 16).sum())
 
 
+def test_row_rank_rule_keeps_a_distinctive_row_the_span_rule_averages_away() -> None:
+    torch.manual_seed(0)
+    x = torch.zeros(1, 1, 48, 64)
+    x[0, 0] = torch.randn(48, 3) @ torch.randn(3, 64) * 10  # 48 tokens of rank 3, large
+    x[0, 0, 20] = torch.randn(64)  # one small, unlike row: < 0.1% of the span's energy
+    lengths = torch.tensor([48])
+    assert float(x[0, 0, 20].square().sum() / x.square().sum()) < 1e-3
+    span_rule = FactorStore(1, 64, torch.float32)
+    row_rule = FactorStore(1, 64, torch.float32)
+    assert span_rule.add(x, lengths, energy=0.999, max_rank=32).tolist() == [3]
+    assert row_rule.add(x, lengths, energy=0.999, max_rank=32, per_row=True).tolist() == [4]
+    one = (torch.tensor([0]), torch.tensor([0]))
+    lost = span_rule.rebuild(*one, lengths, 48)[0, 20] - x[0, 0, 20]
+    kept = row_rule.rebuild(*one, lengths, 48)[0, 20] - x[0, 0, 20]
+    assert float(lost.norm() / x[0, 0, 20].norm()) > 0.5 and float(kept.norm() / x[0, 0, 20].norm()) < 1e-4
+
+
 def test_segmentation_covers_every_token_once() -> None:
     torch.manual_seed(0)
     s = torch.rand(300) * 3

@@ -8,6 +8,9 @@ from typing import Any
 from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
+RANK_RULES = ("auto", "span", "row")
+#: what `rank_rule=auto` runs once a trained router is loaded: its file names one ("span" when it does not)
+AUTO_RANK_RULES = ("span", "row")
 ROUTERS = ("auto", "projection", "attention", "bounds", "union")
 #: what `router=auto` runs once a trained router is loaded: its file names one ("projection" when it does not)
 AUTO_ROUTERS = ("projection", "union")
@@ -27,6 +30,10 @@ class SekvConfig:
         pool to fill the device budget left after summaries and exact rows (capped by the number of spans).
     energy: SVD rank per span = smallest rank keeping this fraction of the squared singular values.
     max_rank: rank cap per span.
+    rank_rule: "span" keeps `energy` of the span's squared singular values (the authors' rule); "row" keeps
+        `energy` of every token row's own squared norm, so a few distinctive tokens (a needle's digits) are
+        not averaged away: higher ranks where a span holds them, host bytes only (see RESULTS "Gemma 3");
+        "auto": what the trained router's file names ("span" when it names nothing or there is none).
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
     router: "auto" ("projection" when trained router parameters are loaded, else "attention"),
@@ -61,6 +68,7 @@ class SekvConfig:
     zoom_k: int | str = "auto"
     energy: float = 0.999
     max_rank: int = 32
+    rank_rule: str = "auto"
     routing_dim: int = 32
     threshold: float = 0.05
     router: str = "auto"
@@ -84,6 +92,7 @@ class SekvConfig:
              "zoom_k must be 'auto' or an integer >= 0")
         need(0 < self.energy <= 1, "energy must be in (0, 1]")
         need(self.max_rank >= 1, "max_rank must be >= 1")
+        need(self.rank_rule in RANK_RULES, f"rank_rule must be one of {RANK_RULES}")
         need(self.routing_dim >= 2 and self.routing_dim % 2 == 0, "routing_dim must be an even number >= 2")
         need(0 < self.threshold < 1, "threshold must be in (0, 1)")
         need(self.share_layers >= 1, "share_layers must be >= 1")

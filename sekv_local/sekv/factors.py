@@ -28,9 +28,12 @@ class FactorStore:
     def n_spans(self) -> int:
         return self.rank.length
 
-    def add(self, x: torch.Tensor, lengths: torch.Tensor, energy: float | torch.Tensor, max_rank: int) -> torch.Tensor:
+    def add(self, x: torch.Tensor, lengths: torch.Tensor, energy: float | torch.Tensor, max_rank: int,
+            per_row: bool = False) -> torch.Tensor:
         """Factor new spans. x: [S, KV, l_max, D] float32 (rows past each length are zero);
         lengths: [S]; energy: kept fraction of squared singular values, one value or per KV head [KV].
+        per_row: the rank must keep `energy` of every token row's own squared norm, not only of the
+        span's total (a few distinctive rows, such as a needle's digits, carry little of the total).
         Returns the stored rank per span [S] (L for raw spans)."""
         S, KV, l_max, D = x.shape
         if S == 0:
@@ -38,10 +41,17 @@ class FactorStore:
         x = x.float().cpu()
         lengths = lengths.cpu()
         U, sv, Vh = torch.linalg.svd(x, full_matrices=False)  # [S,KV,l_max,m], [S,KV,m], [S,KV,m,D]
-        power = sv.square()
-        cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
-        keep = torch.as_tensor(energy, dtype=cum.dtype).reshape(-1)[None, :, None] if torch.is_tensor(energy) else energy
-        rank = ((cum < keep).sum(-1) + 1).amax(dim=1)  # [S] shared by the span's KV heads
+        keep = torch.as_tensor(energy, dtype=sv.dtype).reshape(-1)[None, :, None] if torch.is_tensor(energy) else energy
+        if per_row:
+            power = (U * sv[..., None, :]).square()  # [S, KV, l_max, m]: each row's energy per component
+            cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
+            row_keep = keep[..., None] if torch.is_tensor(keep) else keep
+            need = torch.where(power.sum(-1) > 0, (cum < row_keep).sum(-1) + 1, 0)  # [S, KV, l_max]; padding: 0
+            rank = need.amax(dim=2).amax(dim=1)
+        else:
+            power = sv.square()
+            cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
+            rank = ((cum < keep).sum(-1) + 1).amax(dim=1)  # [S] shared by the span's KV heads
         rank = torch.minimum(torch.minimum(rank, torch.full_like(rank, max_rank)), lengths)
         raw = rank * (lengths + D) >= lengths * D
         eff = torch.where(raw, lengths, rank)

@@ -73,6 +73,7 @@ class SekvCache(CachePolicy):
         self.router = router_module if use else Router(config, self.cfg)
         self.router_kind = self._router_kind()
         self._bounds = self.router_kind == "bounds"
+        self._per_row = self._rank_rule() == "row"
         dt = _DTYPES[self.cfg.dtype]
         KV, D = config.n_kv_heads, config.head_dim
         dp = self.router.routing_dim
@@ -111,6 +112,11 @@ class SekvCache(CachePolicy):
         if self.cfg.router != "auto":
             return self.cfg.router
         return self.router.auto_kind if self.router.trained else "attention"
+
+    def _rank_rule(self) -> str:
+        if self.cfg.rank_rule != "auto":
+            return self.cfg.rank_rule
+        return self.router.auto_rank_rule if self.router.trained else "span"
 
     # -- budget ------------------------------------------------------------------------------------
     @property
@@ -375,7 +381,8 @@ class SekvCache(CachePolicy):
                 padded = torch.where(in_span[None, :, :, None], x[:, idx], 0.0)  # [KV, S, l_max, D]
                 mean = torch.einsum("ksld,sl->ksd", padded, weights)
                 if self.cfg.share_layers == 1:
-                    store.add(padded.transpose(0, 1), seg.span_len, self._energy(layer_no), self.cfg.max_rank)
+                    store.add(padded.transpose(0, 1), seg.span_len, self._energy(layer_no), self.cfg.max_rank,
+                              self._per_row)
                 else:
                     window_rows[0 if is_key else 1].append(padded)
                 if is_key:
@@ -403,7 +410,7 @@ class SekvCache(CachePolicy):
         for parts, store in ((rows[0], layer.fac_k), (rows[1], layer.fac_v)):
             x = torch.stack(parts).permute(2, 3, 0, 1, 4)  # [S, l, G, KV, D]
             S, l_max = x.shape[:2]
-            store.add(x.reshape(S, 1, l_max, -1), lengths, self._energy(None), cap)
+            store.add(x.reshape(S, 1, l_max, -1), lengths, self._energy(None), cap, self._per_row)
 
     def host_bytes_needed(self, n_tokens: int) -> int:
         """Span factors are never larger than the raw f16 spans (full-KV bytes); their buffers grow in

@@ -59,6 +59,7 @@ class Router(nn.Module):
         self.rank_energy_logit = nn.Parameter(torch.full((L, KV), math.log(energy / (1 - energy))))
         self.trained = False
         self.auto_kind = "projection"  # what SeKV's router=auto runs once trained (the router file may say otherwise)
+        self.auto_rank_rule = "span"  # likewise for rank_rule=auto
 
     def rank_energy(self, layer: int) -> torch.Tensor:
         """SVD energy kept per KV head [KV] by the rank gate of `layer`."""

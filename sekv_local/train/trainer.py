@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import Interrupted, SekvError, config_check
-from ..sekv.config import AUTO_ROUTERS, SekvConfig
+from ..sekv.config import AUTO_RANK_RULES, AUTO_ROUTERS, SekvConfig
 from ..sekv.router import Router
 from ..sekv.router_file import params_of, save_router
 from .student import LossWeights, student_losses
@@ -41,7 +41,9 @@ class TrainConfig:
     context_tokens / query_tokens: sizes of a sample's context (the memory) and its query;
     checkpoint_every: steps between checkpoints; max_minutes: stop (and save) after this much time;
     auto_router: the routing SeKV's `router=auto` uses with this router ("projection": the learned one;
-    "union": half the zoom pool by the attention rule), stored in the file; training does not use it."""
+    "union": half the zoom pool by the attention rule), stored in the file; training does not use it.
+    rank_rule: likewise what SeKV's `rank_rule=auto` uses with this router ("span" or "row", the per-token
+    energy rule)."""
 
     model: str = "smollm2-135m"
     steps: int = 400
@@ -52,6 +54,7 @@ class TrainConfig:
     checkpoint_every: int = 20
     max_minutes: float | None = None
     auto_router: str = "projection"
+    rank_rule: str = "span"
     weights: LossWeights = field(default_factory=LossWeights)
 
     def __post_init__(self) -> None:
@@ -64,11 +67,13 @@ class TrainConfig:
         need(self.checkpoint_every >= 1, "checkpoint_every must be >= 1")
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes must be > 0")
         need(self.auto_router in AUTO_ROUTERS, f"auto_router must be one of {AUTO_ROUTERS}")
+        need(self.rank_rule in AUTO_RANK_RULES, f"rank_rule must be one of {AUTO_RANK_RULES}")
 
     def fingerprint(self) -> dict[str, Any]:
         """Settings a resumed run must share with the run it continues (steps and time limit may change)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("steps", "max_minutes",
-                                                                                 "checkpoint_every", "auto_router")}
+                                                                                 "checkpoint_every", "auto_router",
+                                                                                 "rank_rule")}
         out["weights"] = asdict(self.weights)
         return out
 
@@ -205,7 +210,7 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
         recent = history[-50:]
         info = {"model": config.model, "model_sha256": file_sha256(model_path), "steps": step, "seed": config.seed,
                 "lr": config.lr, "context_tokens": config.context_tokens, "query_tokens": config.query_tokens,
-                "auto_router": config.auto_router,
+                "auto_router": config.auto_router, "rank_rule": config.rank_rule,
                 "final_losses": {k: round(sum(h[k] for h in recent) / len(recent), 6)
                                  for k in ("kl", "zoom_bce", "reconstruction", "budget", "zoom_fraction",
                                            "rank_fraction")}}
