@@ -46,7 +46,8 @@ class FactorStore:
             power = (U * sv[..., None, :]).square()  # [S, KV, l_max, m]: each row's energy per component
             cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
             row_keep = keep[..., None] if torch.is_tensor(keep) else keep
-            need = torch.where(power.sum(-1) > 0, (cum < row_keep).sum(-1) + 1, 0)  # [S, KV, l_max]; padding: 0
+            real = (torch.arange(l_max)[None, :] < lengths[:, None])[:, None, :]  # [S, 1, l_max]
+            need = torch.where(real, (cum < row_keep).sum(-1) + 1, 0)  # [S, KV, l_max]; padding rows need none
             rank = need.amax(dim=2).amax(dim=1)
         else:
             power = sv.square()
