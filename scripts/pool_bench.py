@@ -41,6 +41,8 @@ def main() -> None:
     for length, task in cells:
         for method in sorted(score, key=lambda m: (m != args.reference, m)):
             mine = {k: v for k, v in score[method].items() if k[:2] == (length, task)}
+            if not mine:
+                continue
             both = [k for k in mine if k in reference]
             only_mine = sum(mine[k] > reference[k] for k in both)
             only_ref = sum(reference[k] > mine[k] for k in both)
