@@ -132,6 +132,21 @@ def test_the_router_file_names_what_rank_rule_auto_runs(rule: str | None) -> Non
     assert make(rank_rule="row")._per_row and not make(rank_rule="span")._per_row
 
 
+def test_a_reopened_memory_keeps_what_its_router_file_named() -> None:
+    """A saved memory restores its own router; the "auto" choices its file named come back with it."""
+    from sekv_local.cache import create_policy
+    from sekv_local.models.rope import Rope
+
+    named = build_router(params_of(perturbed_router(TINY), TINY, info={"auto_router": "union", "rank_rule": "row"}),
+                         TINY)
+    plain = build_router(params_of(perturbed_router(TINY), TINY), TINY)
+    saved = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=named)
+    reopened = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=plain)
+    assert (reopened.router_kind, reopened._per_row) == ("projection", False)
+    reopened.import_state(*saved.export_state())
+    assert (reopened.router_kind, reopened._per_row) == ("union", True)
+
+
 def test_an_unknown_rank_rule_is_refused() -> None:
     params = params_of(perturbed_router(TINY), TINY, info={"rank_rule": "token"})
     with pytest.raises(RouterFileError, match="rank_rule must be one of"):

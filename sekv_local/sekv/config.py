@@ -14,6 +14,9 @@ AUTO_RANK_RULES = ("span", "row")
 ROUTERS = ("auto", "projection", "attention", "bounds", "union")
 #: what `router=auto` runs once a trained router is loaded: its file names one ("projection" when it does not)
 AUTO_ROUTERS = ("projection", "union")
+#: the options whose "auto" a trained router's file settles: option -> (the file's info key, choices; the
+#: first is what a file that names none gets)
+FILE_CHOICES = {"router": ("auto_router", AUTO_ROUTERS), "rank_rule": ("rank_rule", AUTO_RANK_RULES)}
 
 
 @dataclass(frozen=True)

@@ -41,18 +41,18 @@ class FactorStore:
         x = x.float().cpu()
         lengths = lengths.cpu()
         U, sv, Vh = torch.linalg.svd(x, full_matrices=False)  # [S,KV,l_max,m], [S,KV,m], [S,KV,m,D]
-        keep = torch.as_tensor(energy, dtype=sv.dtype).reshape(-1)[None, :, None] if torch.is_tensor(energy) else energy
-        if per_row:
-            power = (U * sv[..., None, :]).square()  # [S, KV, l_max, m]: each row's energy per component
-            cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
-            row_keep = keep[..., None] if torch.is_tensor(keep) else keep
+        # per span: energy of each singular component [S, KV, m]; per row: of each row's component [S, KV, l_max, m]
+        power = (U * sv[..., None, :]).square() if per_row else sv.square()
+        cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
+        keep = energy
+        if torch.is_tensor(energy):
+            keep = energy.to("cpu", cum.dtype).reshape(-1)[None, :, None]
+            keep = keep[..., None] if per_row else keep
+        need = (cum < keep).sum(-1) + 1
+        if per_row:  # padding rows of short spans are numerical noise: they need no rank
             real = (torch.arange(l_max)[None, :] < lengths[:, None])[:, None, :]  # [S, 1, l_max]
-            need = torch.where(real, (cum < row_keep).sum(-1) + 1, 0)  # [S, KV, l_max]; padding rows need none
-            rank = need.amax(dim=2).amax(dim=1)
-        else:
-            power = sv.square()
-            cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
-            rank = ((cum < keep).sum(-1) + 1).amax(dim=1)  # [S] shared by the span's KV heads
+            need = torch.where(real, need, 0).amax(dim=2)
+        rank = need.amax(dim=1)  # [S] shared by the span's KV heads
         rank = torch.minimum(torch.minimum(rank, torch.full_like(rank, max_rank)), lengths)
         raw = rank * (lengths + D) >= lengths * D
         eff = torch.where(raw, lengths, rank)

@@ -23,7 +23,7 @@ from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from .buffers import RowBuffer, VecBuffer
-from .config import SekvConfig
+from .config import FILE_CHOICES, SekvConfig
 from .factors import FactorStore
 from .router import Router, bound_scores, key_bounds
 from .segmentation import RunningStats, segment, token_surprisal
@@ -71,9 +71,7 @@ class SekvCache(CachePolicy):
         self.budget_spec = budget
         use = router_module is not None and self.cfg.trained
         self.router = router_module if use else Router(config, self.cfg)
-        self.router_kind = self._router_kind()
-        self._bounds = self.router_kind == "bounds"
-        self._per_row = self._rank_rule() == "row"
+        self._settle_auto_options()
         dt = _DTYPES[self.cfg.dtype]
         KV, D = config.n_kv_heads, config.head_dim
         dp = self.router.routing_dim
@@ -106,17 +104,19 @@ class SekvCache(CachePolicy):
         self.planned_tokens = config.context_length
         self._plan()
 
-    def _router_kind(self) -> str:
-        """"auto": once trained parameters exist, the routing their file names (the learned formula, or the
-        union with the attention rule); the training-free rule before."""
-        if self.cfg.router != "auto":
-            return self.cfg.router
-        return self.router.auto_kind if self.router.trained else "attention"
+    def _settle_auto_options(self) -> None:
+        """Options left "auto": once trained parameters exist, what their file names (routing: the learned
+        formula or the union with the attention rule; rank rule: span or row); before, the training-free
+        attention rule and the span rule."""
+        def settle(option: str, untrained: str) -> str:
+            value = getattr(self.cfg, option)
+            if value != "auto":
+                return value
+            return self.router.auto_choices[option] if self.router.trained else untrained
 
-    def _rank_rule(self) -> str:
-        if self.cfg.rank_rule != "auto":
-            return self.cfg.rank_rule
-        return self.router.auto_rank_rule if self.router.trained else "span"
+        self.router_kind = settle("router", "attention")
+        self._bounds = self.router_kind == "bounds"
+        self._per_row = settle("rank_rule", "span") == "row"
 
     # -- budget ------------------------------------------------------------------------------------
     @property
@@ -512,7 +512,8 @@ class SekvCache(CachePolicy):
         if self._prev_logprobs is not None:
             tensors["prev_logprobs"] = self._prev_logprobs
         meta = {"n_tokens": self.n_tokens, "planned_tokens": self.planned_tokens, "l_min": self.l_min,
-                "stats": [self.stats.count, self.stats.mean, self.stats.m2], "router_trained": self.router.trained}
+                "stats": [self.stats.count, self.stats.mean, self.stats.m2], "router_trained": self.router.trained,
+                "router_auto": dict(self.router.auto_choices)}
         return tensors, meta
 
     def import_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -544,13 +545,17 @@ class SekvCache(CachePolicy):
         router = Router(self.config, SekvConfig(routing_dim=int(saved["q_proj"].shape[-1])))
         router.load_state_dict(saved)
         router.trained = bool(meta.get("router_trained", False))
+        for option, value in meta.get("router_auto", {}).items():  # what its file named for "auto" options
+            if option not in FILE_CHOICES or value not in FILE_CHOICES[option][1]:
+                raise ValueError(f"saved router: {option}={value!r} is not a known choice")
+            router.auto_choices[option] = value
         router.requires_grad_(False)
         if router.routing_dim != self.router.routing_dim:  # routing-key rows as wide as the saved router's
             for layer in self.layers:
                 layer.route_k = RowBuffer(self.config.n_kv_heads, router.routing_dim, layer.route_k.data.dtype,
                                           self.device, _ROW_STEP)
         self.router = router
-        self.router_kind = self._router_kind()
+        self._settle_auto_options()
 
     # -- accounting & observability ----------------------------------------------------------------
     def device_tensors(self, layer: int) -> list[torch.Tensor]:

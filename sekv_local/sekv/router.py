@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..models.config import ModelConfig
-from .config import SekvConfig
+from .config import FILE_CHOICES, SekvConfig
 
 
 def low_frequency_dims(config: ModelConfig, count: int) -> torch.Tensor:
@@ -58,8 +58,8 @@ class Router(nn.Module):
         energy = min(sekv.energy, 1 - 1e-6)
         self.rank_energy_logit = nn.Parameter(torch.full((L, KV), math.log(energy / (1 - energy))))
         self.trained = False
-        self.auto_kind = "projection"  # what SeKV's router=auto runs once trained (the router file may say otherwise)
-        self.auto_rank_rule = "span"  # likewise for rank_rule=auto
+        # what SeKV's "auto" options run once trained: the router file may name other choices
+        self.auto_choices = {option: choices[0] for option, (_, choices) in FILE_CHOICES.items()}
 
     def rank_energy(self, layer: int) -> torch.Tensor:
         """SVD energy kept per KV head [KV] by the rank gate of `layer`."""

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import SekvError
 from ..models.config import ModelConfig
-from .config import AUTO_RANK_RULES, AUTO_ROUTERS, SekvConfig
+from .config import FILE_CHOICES, SekvConfig
 from .router import PARAMETER_SHAPES, Router
 
 FORMAT_VERSION = 1
@@ -121,15 +121,12 @@ def params_of(router: Router, config: ModelConfig, hparams: dict[str, Any] | Non
 def build_router(params: RouterParams, config: ModelConfig, source: str = "router") -> Router:
     """A trained Router for `config` from `params` (dims checked first)."""
     params.check_model(config, source)
-    auto = params.info.get("auto_router", "projection")
-    if auto not in AUTO_ROUTERS:
-        raise RouterFileError(f"{source}: auto_router must be one of {AUTO_ROUTERS}, got {auto!r}")
-    rank_rule = params.info.get("rank_rule", "span")
-    if rank_rule not in AUTO_RANK_RULES:
-        raise RouterFileError(f"{source}: rank_rule must be one of {AUTO_RANK_RULES}, got {rank_rule!r}")
     router = Router(config, SekvConfig(routing_dim=params.dims["routing_dim"]))
-    router.auto_kind = auto
-    router.auto_rank_rule = rank_rule
+    for option, (key, choices) in FILE_CHOICES.items():
+        value = params.info.get(key, choices[0])
+        if value not in choices:
+            raise RouterFileError(f"{source}: {key} must be one of {choices}, got {value!r}")
+        router.auto_choices[option] = value
     with torch.no_grad():
         for name in PARAMETER_SHAPES:
             getattr(router, name).copy_(params.tensors[name])
