@@ -333,7 +333,7 @@ def perplexity(methods_: str, budgets: str, context_: str, out: Path, **kw: Any)
                    "the learned router; union: half the zoom pool by the attention rule). Training does not use it.")
 @click.option("--rank-rule", type=click.Choice(list(AUTO_RANK_RULES)),
               help="SeKV: the span rank rule `rank_rule=auto` runs with this router, stored in the file (default span: "
-                   "energy of the whole span; row: energy of every token row). Training does not use it.")
+                   "energy of the whole span; row: energy of every token row; exact: spans kept raw). Training does not use it.")
 @click.option("--fresh", is_flag=True, help="Ignore an existing checkpoint and start over.")
 def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, **kw: Any) -> None:
     """Train a method's parameters against the frozen model's full-KV behaviour: SeKV's router

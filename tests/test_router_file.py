@@ -118,7 +118,7 @@ def test_an_unknown_auto_router_is_refused() -> None:
         build_router(params, TINY)
 
 
-@pytest.mark.parametrize("rule", [None, "span", "row"])
+@pytest.mark.parametrize("rule", [None, "span", "row", "exact"])
 def test_the_router_file_names_what_rank_rule_auto_runs(rule: str | None) -> None:
     """Likewise for the span rank rule; untrained SeKV and an explicit rank_rule ignore the file."""
     from sekv_local.cache import create_policy
@@ -127,9 +127,9 @@ def test_the_router_file_names_what_rank_rule_auto_runs(rule: str | None) -> Non
     params = params_of(perturbed_router(TINY), TINY, info={} if rule is None else {"rank_rule": rule})
     router = build_router(params, TINY)
     make = lambda **kw: create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router, **kw)  # noqa: E731
-    assert make()._per_row == (rule == "row")
-    assert not make(trained=False)._per_row
-    assert make(rank_rule="row")._per_row and not make(rank_rule="span")._per_row
+    assert make().rank_rule == (rule or "span")
+    assert make(trained=False).rank_rule == "span"
+    assert make(rank_rule="row").rank_rule == "row" and make(rank_rule="span").rank_rule == "span"
 
 
 def test_a_reopened_memory_keeps_what_its_router_file_named() -> None:
@@ -142,9 +142,9 @@ def test_a_reopened_memory_keeps_what_its_router_file_named() -> None:
     plain = build_router(params_of(perturbed_router(TINY), TINY), TINY)
     saved = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=named)
     reopened = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=plain)
-    assert (reopened.router_kind, reopened._per_row) == ("projection", False)
+    assert (reopened.router_kind, reopened.rank_rule) == ("projection", "span")
     reopened.import_state(*saved.export_state())
-    assert (reopened.router_kind, reopened._per_row) == ("union", True)
+    assert (reopened.router_kind, reopened.rank_rule) == ("union", "row")
 
 
 def test_an_unknown_rank_rule_is_refused() -> None:

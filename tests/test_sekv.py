@@ -140,11 +140,29 @@ def test_row_rank_rule_keeps_a_distinctive_row_the_span_rule_averages_away() -> 
     span_rule = FactorStore(1, 64, torch.float32)
     row_rule = FactorStore(1, 64, torch.float32)
     assert span_rule.add(x, lengths, energy=0.999, max_rank=32).tolist() == [3]
-    assert row_rule.add(x, lengths, energy=0.999, max_rank=32, per_row=True).tolist() == [4]
+    assert row_rule.add(x, lengths, energy=0.999, max_rank=32, rule="row").tolist() == [4]
     one = (torch.tensor([0]), torch.tensor([0]))
     lost = span_rule.rebuild(*one, lengths, 48)[0, 20] - x[0, 0, 20]
     kept = row_rule.rebuild(*one, lengths, 48)[0, 20] - x[0, 0, 20]
     assert float(lost.norm() / x[0, 0, 20].norm()) > 0.5 and float(kept.norm() / x[0, 0, 20].norm()) < 1e-4
+
+
+def test_exact_rank_rule_stores_spans_raw_and_rebuilds_them_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    lengths = torch.tensor([5, 32, 17])
+    x = torch.zeros(3, 2, 32, 16)
+    for s, n in enumerate(lengths.tolist()):
+        x[s, :, :n] = torch.randn(2, n, 2) @ torch.randn(2, 2, 16)  # rank 2: the SVD rules would factor it
+    store = FactorStore(2, 16, torch.float32)
+    assert store.add(x, lengths, energy=0.5, max_rank=1, rule="exact").tolist() == [5, 32, 17]
+    assert store.raw.view().all() and store.u.length == 0 and store.w.length == int(lengths.sum()) * 2 * 16
+    heads, spans = torch.tensor([1, 0, 1]), torch.tensor([0, 1, 2])
+    assert torch.equal(store.rebuild(heads, spans, lengths, 32), x[spans, heads])
+    factored = FactorStore(2, 16, torch.float32)
+    assert factored.add(x, lengths, energy=0.999, max_rank=32).tolist() == [2, 2, 2]  # what exact overrides
+    store.add(x[:1], lengths[:1], energy=0.5, max_rank=1, rule="exact")  # appends after earlier spans
+    assert torch.equal(store.rebuild(torch.tensor([1]), torch.tensor([3]), torch.cat([lengths, lengths[:1]]), 32),
+                       x[0:1, 1])
 
 
 def test_segmentation_covers_every_token_once() -> None:

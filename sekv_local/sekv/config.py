@@ -8,9 +8,9 @@ from typing import Any
 from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
-RANK_RULES = ("auto", "span", "row")
+RANK_RULES = ("auto", "span", "row", "exact")
 #: what `rank_rule=auto` runs once a trained router is loaded: its file names one ("span" when it does not)
-AUTO_RANK_RULES = ("span", "row")
+AUTO_RANK_RULES = ("span", "row", "exact")
 ROUTERS = ("auto", "projection", "attention", "bounds", "union")
 #: what `router=auto` runs once a trained router is loaded: its file names one ("projection" when it does not)
 AUTO_ROUTERS = ("projection", "union")
@@ -35,8 +35,10 @@ class SekvConfig:
     max_rank: rank cap per span.
     rank_rule: "span" keeps `energy` of the span's squared singular values (the authors' rule); "row" keeps
         `energy` of every token row's own squared norm, so a few distinctive tokens (a needle's digits) are
-        not averaged away: higher ranks where a span holds them, host bytes only (see RESULTS "Gemma 3");
-        "auto": what the trained router's file names ("span" when it names nothing or there is none).
+        not averaged away: higher ranks where a span holds them, host bytes only; "exact" keeps every span
+        raw in host RAM (no SVD; energy, max_rank and the rank gate unused): lossless zoom-ins for the host
+        bytes of full KV (see RESULTS "Gemma 3"); "auto": what the trained router's file names ("span" when
+        it names nothing or there is none).
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
     router: "auto" ("projection" when trained router parameters are loaded, else "attention"),

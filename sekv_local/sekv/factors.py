@@ -29,18 +29,31 @@ class FactorStore:
         return self.rank.length
 
     def add(self, x: torch.Tensor, lengths: torch.Tensor, energy: float | torch.Tensor, max_rank: int,
-            per_row: bool = False) -> torch.Tensor:
+            rule: str = "span") -> torch.Tensor:
         """Factor new spans. x: [S, KV, l_max, D] float32 (rows past each length are zero);
         lengths: [S]; energy: kept fraction of squared singular values, one value or per KV head [KV].
-        per_row: the rank must keep `energy` of every token row's own squared norm, not only of the
-        span's total (a few distinctive rows, such as a needle's digits, carry little of the total).
+        rule: "span" keeps `energy` of the span's total; "row" of every token row's own squared norm (a
+        few distinctive rows, such as a needle's digits, carry little of the total); "exact" keeps every
+        span raw, lossless (energy and max_rank unused, no SVD).
         Returns the stored rank per span [S] (L for raw spans)."""
         S, KV, l_max, D = x.shape
         if S == 0:
             return torch.zeros(0, dtype=torch.long)
         x = x.float().cpu()
         lengths = lengths.cpu()
+        if rule == "exact":
+            return self._append(x, lengths, lengths.clone(), torch.ones(S, dtype=torch.bool), None)
         U, sv, Vh = torch.linalg.svd(x, full_matrices=False)  # [S,KV,l_max,m], [S,KV,m], [S,KV,m,D]
+        rank = self._ranks(U, sv, lengths, energy, max_rank, rule == "row")
+        raw = rank * (lengths + D) >= lengths * D
+        return self._append(x, lengths, rank, raw, (U, sv, Vh))
+
+    @staticmethod
+    def _ranks(U: torch.Tensor, sv: torch.Tensor, lengths: torch.Tensor, energy: float | torch.Tensor,
+               max_rank: int, per_row: bool) -> torch.Tensor:
+        """Rank per span [S], shared by its KV heads: the smallest keeping `energy`, capped by max_rank and
+        the span's length."""
+        l_max = U.shape[2]
         # per span: energy of each singular component [S, KV, m]; per row: of each row's component [S, KV, l_max, m]
         power = (U * sv[..., None, :]).square() if per_row else sv.square()
         cum = power.cumsum(-1) / power.sum(-1, keepdim=True).clamp_min(1e-30)
@@ -52,26 +65,33 @@ class FactorStore:
         if per_row:  # padding rows of short spans are numerical noise: they need no rank
             real = (torch.arange(l_max)[None, :] < lengths[:, None])[:, None, :]  # [S, 1, l_max]
             need = torch.where(real, need, 0).amax(dim=2)
-        rank = need.amax(dim=1)  # [S] shared by the span's KV heads
-        rank = torch.minimum(torch.minimum(rank, torch.full_like(rank, max_rank)), lengths)
-        raw = rank * (lengths + D) >= lengths * D
-        eff = torch.where(raw, lengths, rank)
+        rank = need.amax(dim=1)
+        return torch.minimum(torch.minimum(rank, torch.full_like(rank, max_rank)), lengths)
 
+    def _append(self, x: torch.Tensor, lengths: torch.Tensor, rank: torch.Tensor, raw: torch.Tensor,
+                svd: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Pack spans into the flat buffers: x [S, KV, l_max, D]; rank, raw [S]; svd (U, sv, Vh) of x, None
+        when every span is raw."""
+        S, KV, l_max, D = x.shape
+        eff = torch.where(raw, lengths, rank)
         M = int(eff.max())
         j = torch.arange(M)
-        t = torch.arange(l_max)
-        # U area: [S, KV, l_max, R] with singular values folded in; empty for raw spans
-        R = min(M, U.shape[-1])
-        u_vals = U[..., :R] * sv[..., None, :R]
-        u_mask = ((t[None, :, None] < lengths[:, None, None]) & (j[None, None, :R] < rank[:, None, None])
-                  & ~raw[:, None, None])  # [S, l_max, R]
-        u_flat = u_vals[u_mask[:, None].expand(S, KV, l_max, R)]
         # W area: rows of Vh (factored) or of x itself (raw), [S, KV, M, D]
         w_src = torch.zeros(S, KV, M, D)
-        w_src[:, :, : min(M, Vh.shape[2])] = Vh[:, :, :M]
-        raw_rows = torch.zeros(S, KV, M, D)
-        raw_rows[:, :, : min(M, l_max)] = x[:, :, :M]
-        w_src = torch.where(raw[:, None, None, None], raw_rows, w_src)
+        w_src[:, :, : min(M, l_max)] = x[:, :, :M]
+        u_flat = x.new_zeros(0)
+        if svd is not None:
+            U, sv, Vh = svd
+            t = torch.arange(l_max)
+            # U area: [S, KV, l_max, R] with singular values folded in; empty for raw spans
+            R = min(M, U.shape[-1])
+            u_vals = U[..., :R] * sv[..., None, :R]
+            u_mask = ((t[None, :, None] < lengths[:, None, None]) & (j[None, None, :R] < rank[:, None, None])
+                      & ~raw[:, None, None])  # [S, l_max, R]
+            u_flat = u_vals[u_mask[:, None].expand(S, KV, l_max, R)]
+            factored = torch.zeros(S, KV, M, D)
+            factored[:, :, : min(M, Vh.shape[2])] = Vh[:, :, :M]
+            w_src = torch.where(raw[:, None, None, None], w_src, factored)
         w_mask = (j[None, :] < eff[:, None])[:, None, :, None].expand(S, KV, M, D)
         w_flat = w_src[w_mask]
 

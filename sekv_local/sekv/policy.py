@@ -106,7 +106,7 @@ class SekvCache(CachePolicy):
 
     def _settle_auto_options(self) -> None:
         """Options left "auto": once trained parameters exist, what their file names (routing: the learned
-        formula or the union with the attention rule; rank rule: span or row); before, the training-free
+        formula or the union with the attention rule; rank rule: span, row or exact); before, the training-free
         attention rule and the span rule."""
         def settle(option: str, untrained: str) -> str:
             value = getattr(self.cfg, option)
@@ -116,7 +116,7 @@ class SekvCache(CachePolicy):
 
         self.router_kind = settle("router", "attention")
         self._bounds = self.router_kind == "bounds"
-        self._per_row = settle("rank_rule", "span") == "row"
+        self.rank_rule = settle("rank_rule", "span")
 
     # -- budget ------------------------------------------------------------------------------------
     @property
@@ -382,7 +382,7 @@ class SekvCache(CachePolicy):
                 mean = torch.einsum("ksld,sl->ksd", padded, weights)
                 if self.cfg.share_layers == 1:
                     store.add(padded.transpose(0, 1), seg.span_len, self._energy(layer_no), self.cfg.max_rank,
-                              self._per_row)
+                              self.rank_rule)
                 else:
                     window_rows[0 if is_key else 1].append(padded)
                 if is_key:
@@ -410,7 +410,7 @@ class SekvCache(CachePolicy):
         for parts, store in ((rows[0], layer.fac_k), (rows[1], layer.fac_v)):
             x = torch.stack(parts).permute(2, 3, 0, 1, 4)  # [S, l, G, KV, D]
             S, l_max = x.shape[:2]
-            store.add(x.reshape(S, 1, l_max, -1), lengths, self._energy(None), cap, self._per_row)
+            store.add(x.reshape(S, 1, l_max, -1), lengths, self._energy(None), cap, self.rank_rule)
 
     def host_bytes_needed(self, n_tokens: int) -> int:
         """Span factors are never larger than the raw f16 spans (full-KV bytes); their buffers grow in

@@ -42,8 +42,8 @@ class TrainConfig:
     checkpoint_every: steps between checkpoints; max_minutes: stop (and save) after this much time;
     auto_router: the routing SeKV's `router=auto` uses with this router ("projection": the learned one;
     "union": half the zoom pool by the attention rule), stored in the file; training does not use it.
-    rank_rule: likewise what SeKV's `rank_rule=auto` uses with this router ("span" or "row", the per-token
-    energy rule)."""
+    rank_rule: likewise what SeKV's `rank_rule=auto` uses with this router ("span", "row": the per-token
+    energy rule, or "exact": spans kept raw)."""
 
     model: str = "smollm2-135m"
     steps: int = 400
