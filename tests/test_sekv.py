@@ -160,6 +160,8 @@ def test_exact_rank_rule_stores_spans_raw_and_rebuilds_them_bit_for_bit() -> Non
     assert torch.equal(store.rebuild(heads, spans, lengths, 32), x[spans, heads])
     factored = FactorStore(2, 16, torch.float32)
     assert factored.add(x, lengths, energy=0.999, max_rank=32).tolist() == [2, 2, 2]  # what exact overrides
+    with pytest.raises(ValueError, match="unknown rank rule"):
+        store.add(x, lengths, energy=0.5, max_rank=1, rule="rows")
     store.add(x[:1], lengths[:1], energy=0.5, max_rank=1, rule="exact")  # appends after earlier spans
     assert torch.equal(store.rebuild(torch.tensor([1]), torch.tensor([3]), torch.cat([lengths, lengths[:1]]), 32),
                        x[0:1, 1])

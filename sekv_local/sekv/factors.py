@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .buffers import FlatBuffer, VecBuffer
+from .config import AUTO_RANK_RULES
 
 
 class FactorStore:
@@ -36,6 +37,8 @@ class FactorStore:
         few distinctive rows, such as a needle's digits, carry little of the total); "exact" keeps every
         span raw, lossless (energy and max_rank unused, no SVD).
         Returns the stored rank per span [S] (L for raw spans)."""
+        if rule not in AUTO_RANK_RULES:  # a misspelt rule must not silently run another
+            raise ValueError(f"unknown rank rule {rule!r}")
         S, KV, l_max, D = x.shape
         if S == 0:
             return torch.zeros(0, dtype=torch.long)
