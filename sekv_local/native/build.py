@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import SekvError
+from .cpu_flags import cmake_cpu_flags
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LIBRARY_NAME = "libsekv_native.so"
-# AMX off: the native default enables it on some Xeons and then crashes in the first matmul
-CPU_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-             "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
-             "-DGGML_AVX512_VBMI=ON", "-DGGML_OPENMP=OFF")
+# this CPU's instruction sets, AMX off (native/cpu_flags.py says why)
+CPU_FLAGS = cmake_cpu_flags() + ("-DGGML_OPENMP=OFF",)
 ENV_LIBRARY = "SEKV_NATIVE_LIBRARY"  # use this prebuilt library instead of building
 
 Log = Callable[[str], None]
