@@ -5,6 +5,10 @@ questions were right out of how many, and, against `--reference` (full KV by def
 the questions both ran one method alone was right:
 
     python scripts/pool_bench.py docs/bench/gemma_row_16k_seed* docs/bench/gemma_row_32k_seed*
+
+`--alias OLD NEW` counts OLD's records as NEW's, for one setting that ran under two names (e.g. raw
+spans as `sekv@rank_gate=false@energy=1.0@max_rank=64` before `sekv@rank_rule=exact` existed). A
+question that both names answered counts once, under NEW's record.
 """
 
 from __future__ import annotations
@@ -14,40 +18,73 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from sekv_local.eval.report import fmt_length, markdown_table, summarize
+from sekv_local.eval.report import markdown_table, summarize
 
 
 def question_key(record: dict) -> tuple:
     return record["length"], record["task"], record["seed"], record["sample"], record["turn"]
 
 
+def pool_records(runs: list[Path], aliases: dict[str, str]) -> list[dict]:
+    """All records of `runs`, renamed by `aliases`; a question NEW already answered is not counted again."""
+    records, seen = [], set()
+    raw = [r for run in runs for r in json.loads((run / "results.json").read_text())["records"]]
+    # NEW's own records first, so a question both names ran keeps NEW's answer
+    for r in sorted(raw, key=lambda r: r["method"] in aliases):
+        r = {**r, "method": aliases.get(r["method"], r["method"])}
+        key = (r["method"], r["budget"], r["engine"], r["model"], *question_key(r))
+        if key not in seen:
+            seen.add(key)
+            records.append(r)
+    return records
+
+
+def label(record: dict) -> str:
+    """The method, with its budget when it has one: one row per (method, budget)."""
+    return record["method"] if record["budget"] is None else f"{record['method']} {record['budget']:.1%}"
+
+
+def length_group(length: int) -> str:
+    """16,000 and 16,384 tokens are one row ("16K"): seeds ran at either."""
+    return f"{round(length / 1000)}K"
+
+
+def compare(records: list[dict], reference: str) -> list[tuple[str, str, str, int, int, int | None, int | None]]:
+    """Per (length group, task, method): right, asked, and on the questions both ran, how many this method
+    alone got right and how many `reference` alone got right (None for the reference itself)."""
+    score: dict[str, dict[tuple, float]] = defaultdict(dict)
+    for r in records:
+        score[label(r)][question_key(r)] = r["score"]
+    ref = score.get(reference, {})
+    rows = []
+    cells = sorted({(length_group(k[0]), k[1]) for s in score.values() for k in s},
+                   key=lambda c: (int(c[0][:-1]), c[1]))
+    for group, task in cells:
+        for method in sorted(score, key=lambda m: (m != reference, m)):
+            mine = {k: v for k, v in score[method].items() if (length_group(k[0]), k[1]) == (group, task)}
+            if not mine:
+                continue
+            both = [k for k in mine if k in ref]
+            alone = (None, None) if method == reference else \
+                (sum(mine[k] > ref[k] for k in both), sum(ref[k] > mine[k] for k in both))
+            rows.append((group, task, method, round(sum(mine.values())), len(mine), *alone))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="bench output folders (each with results.json)")
     ap.add_argument("--reference", default="full", help="method the others are compared with")
+    ap.add_argument("--alias", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
+                    help="count method OLD's records as NEW's (repeatable)")
     args = ap.parse_args()
-    records = []
-    for run in args.runs:
-        records += json.loads((run / "results.json").read_text())["records"]
+    records = pool_records(args.runs, dict(args.alias))
     print(markdown_table(summarize(records), title=f"{len(records)} records from {len(args.runs)} runs"))
-
-    score: dict[str, dict[tuple, float]] = defaultdict(dict)
-    for r in records:
-        score[r["method"]][question_key(r)] = r["score"]
-    reference = score.get(args.reference, {})
     print("\n| length | task | method | right | only this right | only reference right |")
     print("|---|---|---|---:|---:|---:|")
-    cells = sorted({(k[0], k[1]) for s in score.values() for k in s})
-    for length, task in cells:
-        for method in sorted(score, key=lambda m: (m != args.reference, m)):
-            mine = {k: v for k, v in score[method].items() if k[:2] == (length, task)}
-            if not mine:
-                continue
-            both = [k for k in mine if k in reference]
-            only_mine = sum(mine[k] > reference[k] for k in both)
-            only_ref = sum(reference[k] > mine[k] for k in both)
-            print(f"| {fmt_length(length)} | {task} | {method} | {sum(mine.values()):g}/{len(mine)} | "
-                  f"{only_mine if method != args.reference else '-'} | {only_ref if method != args.reference else '-'} |")
+    for group, task, method, right, asked, mine, ref in compare(records, args.reference):
+        print(f"| {group} | {task} | {method} | {right}/{asked} | {'-' if mine is None else mine} | "
+              f"{'-' if ref is None else ref} |")
 
 
 if __name__ == "__main__":

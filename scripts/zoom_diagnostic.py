@@ -3,6 +3,9 @@
 Rebuilds question `--sample` of the bench suite (task, length, `--samples`, `--seed` as in `sekv-local
 bench`), answers it with the torch engine once per variant, and prints the prediction, the score and the
 zoomed spans within 80 tokens of the needle (span start, length, how many layer x step choices hit it).
+With `--steps`, for every number-bearing sentence of the document (the needle and the distractors), the
+global layers in which a span overlapping it was zoomed, step by step (step 0 is the question's prefill,
+then one step per answer token).
 
     python scripts/zoom_diagnostic.py -m gemma3-270m --task niah_single --length 16384 --sample 0 \\
         --variant '{"rank_gate": false}' --variant '{"trained": false}'
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import torch
 
@@ -34,6 +38,7 @@ def main() -> None:
     ap.add_argument("--sample", type=int, default=0)
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", action="store_true", help="per step, where each numbered sentence was zoomed")
     ap.add_argument("--variant", action="append", default=[], help="SeKV options as JSON (repeatable; {} = default)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -51,12 +56,39 @@ def main() -> None:
             method="sekv", budget=args.budget, threads=args.threads, method_options=options))
         settings = SessionSettings(model=args.model, engine="torch", method="sekv", budget=args.budget,
                                    threads=args.threads, method_options=tuple(sorted(options.items())))
-        records, _ = run_sample(engine, sample, settings, path, 32)
+        records, session = run_sample(engine, sample, settings, path, 32)
         zoomed = engine.cache.observations().get("zoomed", [])
         near = [z for z in zoomed if z["start"] - 80 <= needle <= z["start"] + z["length"] + 80]
         rec = records[0]
+        inner = getattr(engine.cache, "inner", engine.cache)
         print(f"{variant}: {rec['prediction'][:40]!r} score {rec['score']}, host {rec['host_bytes'] / 2**20:.1f} MiB, "
-              f"{len(zoomed)} spans zoomed, near the needle: {near}", flush=True)
+              f"{len(zoomed)} spans zoomed (pool {inner.zoom_k} planned, {inner._step_zoom_k} at the last step, "
+              f"device peak {rec['device_peak_bytes'] / 2**20:.1f} MiB), near the needle: {near}", flush=True)
+        if args.steps:
+            print_steps(inner, sample.document, tokenizer, answer,
+                        session._prefix_tokens)  # spans carry positions in the prompt, not the document
+
+
+def print_steps(cache, document: str, tokenizer: Tokenizer, answer: str, offset: int) -> None:
+    """Per numbered sentence: at each step, the layers in which a span overlapping its number was zoomed
+    ('-': none). `offset`: prompt tokens before the document."""
+    events = cache._zoom_events
+    n_layers = len(cache.layers)
+    starts, lengths = cache.span_pos.view(), cache.span_len.view()
+    for m in re.finditer(r"\b(\d{7})\b", document):
+        at = len(tokenizer.encode(document[: m.start()])) + offset
+        spans = torch.nonzero((starts <= at + 8) & (starts + lengths > at - 12)).flatten()  # key and number
+        rows = []
+        for i, (layer, chosen) in enumerate(events):
+            if torch.isin(chosen, spans).any():
+                rows.append((i // n_layers, layer))
+        steps: dict[int, list[int]] = {}
+        for step, layer in rows:
+            steps.setdefault(step, []).append(layer)
+        mark = "needle" if m.group(1) == answer else "other"
+        n_steps = -(-len(events) // n_layers)
+        line = " ".join("".join(str(l) for l in steps.get(t, [])) or "-" for t in range(n_steps))
+        print(f"  {mark:6} {m.group(1)} at token {at} (spans {spans.tolist()}): {line}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from .errors import Interrupted, SekvError
 from .models import registry
 from .method_variant import split_variant
 from .session import Session, SessionSettings
-from .sekv.config import AUTO_RANK_RULES, AUTO_ROUTERS
+from .sekv.config import AUTO_POOLS, AUTO_RANK_RULES, AUTO_ROUTERS
 
 
 def _parse_budget(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | int | None:
@@ -334,6 +334,10 @@ def perplexity(methods_: str, budgets: str, context_: str, out: Path, **kw: Any)
 @click.option("--rank-rule", type=click.Choice(list(AUTO_RANK_RULES)),
               help="SeKV: the span rank rule `rank_rule=auto` runs with this router, stored in the file (default span: "
                    "energy of the whole span; row: energy of every token row; exact: spans kept raw). Training does not use it.")
+@click.option("--pool", "zoom_pool", type=click.Choice(list(AUTO_POOLS)),
+              help="SeKV: the zoom pool `pool=auto` runs with this router, stored in the file (default fixed: the planned "
+                   "size at every step; free: a step's pool also takes the device room the step leaves unused). "
+                   "Training does not use it.")
 @click.option("--fresh", is_flag=True, help="Ignore an existing checkpoint and start over.")
 def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, **kw: Any) -> None:
     """Train a method's parameters against the frozen model's full-KV behaviour: SeKV's router
@@ -345,8 +349,8 @@ def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, 
     if method == "metasoft":
         from .train.metasoft import MetaSoftTrainConfig, train_metasoft
 
-        if "auto_router" in kw or "rank_rule" in kw:
-            raise SekvError("--auto-router and --rank-rule are SeKV router settings; Meta-Soft has no router")
+        if {"auto_router", "rank_rule", "zoom_pool"} & kw.keys():
+            raise SekvError("--auto-router, --rank-rule and --pool are SeKV router settings; Meta-Soft has no router")
 
         if "steps" in kw:
             kw["library_steps"] = kw["steps"] // 2
@@ -422,6 +426,19 @@ def convert_hf(folder: Path, out: Path, router: Path | None, outtype: str) -> No
 
     run(folder, out, router=router, outtype=outtype, log=lambda line: click.echo(line, err=True))
     click.echo(str(out))
+
+
+@convert.command("choices")
+@click.argument("router", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--auto-router", type=click.Choice(list(AUTO_ROUTERS)), help="What `router=auto` runs with it.")
+@click.option("--rank-rule", type=click.Choice(list(AUTO_RANK_RULES)), help="What `rank_rule=auto` runs with it.")
+@click.option("--pool", "zoom_pool", type=click.Choice(list(AUTO_POOLS)), help="What `pool=auto` runs with it.")
+def convert_choices(router: Path, **choices: str | None) -> None:
+    """Show what SeKV's "auto" options run with a trained ROUTER file (.safetensors), or set them in place
+    (the trained parameters are not touched; `sekv-local train` names them with the same flags)."""
+    from .sekv.router_file import set_file_choices
+
+    click.echo(json.dumps(set_file_choices(router, {k: v for k, v in choices.items() if v is not None}), sort_keys=True))
 
 
 @convert.command("inspect")

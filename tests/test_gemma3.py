@@ -420,7 +420,8 @@ def test_student_fully_zoomed_matches_the_teacher_and_trains_the_global_layers(g
 @pytest.mark.slow
 def test_the_packaged_gemma_router_drives_sekv_on_the_global_layers(gemma_path, gemma_tokenizer) -> None:
     """The router trained for this model file (packaged, matched by sha256) is found and serves the three
-    global layers inside MixedLayers, routing and storing spans as its file says (union, spans kept raw);
+    global layers inside MixedLayers, routing, storing spans and sizing the zoom pool as its file says (union,
+    spans kept raw, the pool planned once: `free` gained and lost questions, RESULTS "Gemma 3");
     checked against all 18 layers, its dims are refused as another model's."""
     from sekv_local.engines.base import EngineOptions
     from sekv_local.engines.torch_engine import TorchEngine
@@ -430,6 +431,7 @@ def test_the_packaged_gemma_router_drives_sekv_on_the_global_layers(gemma_path, 
     inner = engine.cache.inner
     assert inner.router.trained and inner.router_kind == "union"  # the file says so (RESULTS, "Gemma 3")
     assert inner.rank_rule == "exact"  # and spans kept raw in host RAM
+    assert not inner.free_pool  # the file names no pool: planned once
     assert inner.router.threshold_logit.shape[0] == 3
     assert any("packaged for this model (gemma3-270m.safetensors)" in n for n in engine.notices)
     params = load_router(packaged_routers_dir() / "gemma3-270m.safetensors")

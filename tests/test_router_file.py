@@ -132,19 +132,51 @@ def test_the_router_file_names_what_rank_rule_auto_runs(rule: str | None) -> Non
     assert make(rank_rule="row").rank_rule == "row" and make(rank_rule="span").rank_rule == "span"
 
 
+@pytest.mark.parametrize("pool", [None, "fixed", "free"])
+def test_the_router_file_names_what_pool_auto_runs(pool: str | None) -> None:
+    """Likewise for the zoom pool; untrained SeKV, an explicit pool and an explicit zoom_k ignore the file."""
+    from sekv_local.cache import create_policy
+    from sekv_local.models.rope import Rope
+
+    params = params_of(perturbed_router(TINY), TINY, info={} if pool is None else {"zoom_pool": pool})
+    router = build_router(params, TINY)
+    make = lambda **kw: create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=router, **kw)  # noqa: E731
+    assert make().free_pool == (pool == "free")
+    assert not make(trained=False).free_pool
+    assert make(pool="free").free_pool and not make(pool="fixed").free_pool
+    assert not make(zoom_k=4).free_pool
+
+
+def test_convert_choices_sets_the_file_choices_and_keeps_the_parameters(tmp_path: Path) -> None:
+    path = save_router(tmp_path / "r.safetensors", params_of(perturbed_router(TINY), TINY, info={"steps": 7}))
+    before = load_router(path)
+    run = lambda *args: subprocess.run([sys.executable, "-m", "sekv_local", "convert", "choices", str(path), *args],  # noqa: E731
+                                       capture_output=True, text=True)
+    shown = run()
+    assert shown.returncode == 0 and '"zoom_pool": "fixed"' in shown.stdout and '"auto_router": "projection"' in shown.stdout
+    changed = run("--pool", "free", "--rank-rule", "exact")
+    assert changed.returncode == 0, changed.stderr
+    after = load_router(path)
+    assert after.info == {"steps": 7, "zoom_pool": "free", "rank_rule": "exact"}
+    assert after.dims == before.dims and after.hparams == before.hparams
+    assert all(torch.equal(after.tensors[k], before.tensors[k]) for k in before.tensors)
+    refused = run("--pool", "huge")
+    assert refused.returncode != 0 and "huge" in refused.stderr and load_router(path).info == after.info
+
+
 def test_a_reopened_memory_keeps_what_its_router_file_named() -> None:
     """A saved memory restores its own router; the "auto" choices its file named come back with it."""
     from sekv_local.cache import create_policy
     from sekv_local.models.rope import Rope
 
-    named = build_router(params_of(perturbed_router(TINY), TINY, info={"auto_router": "union", "rank_rule": "row"}),
-                         TINY)
+    named = build_router(params_of(perturbed_router(TINY), TINY,
+                                   info={"auto_router": "union", "rank_rule": "row", "zoom_pool": "free"}), TINY)
     plain = build_router(params_of(perturbed_router(TINY), TINY), TINY)
     saved = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=named)
     reopened = create_policy("sekv", TINY, Rope(TINY), budget=10 ** 9, router_module=plain)
-    assert (reopened.router_kind, reopened.rank_rule) == ("projection", "span")
+    assert (reopened.router_kind, reopened.rank_rule, reopened.free_pool) == ("projection", "span", False)
     reopened.import_state(*saved.export_state())
-    assert (reopened.router_kind, reopened.rank_rule) == ("union", "row")
+    assert (reopened.router_kind, reopened.rank_rule, reopened.free_pool) == ("union", "row", True)
 
 
 def test_an_unknown_rank_rule_is_refused() -> None:

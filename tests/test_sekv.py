@@ -77,6 +77,49 @@ def test_device_tier_stays_within_budget_during_prefill_and_decode() -> None:
     assert report.host_bytes > 0 and report.device_bytes < limit
 
 
+def decode_step(policy, position: int) -> None:
+    with torch.inference_mode():
+        policy.begin_chunk(torch.arange(position, position + 1), False)
+        for layer in range(CFG.n_layers):
+            policy.attend(layer, torch.randn(4, 1, 16), torch.randn(2, 1, 16), torch.randn(2, 1, 16))
+        policy.end_chunk(torch.randn(1, 50), torch.tensor([3]))
+
+
+@pytest.mark.parametrize("pool", ["fixed", "free"])
+def test_a_free_pool_takes_the_prefill_chunks_room_at_decode_within_the_budget(pool: str) -> None:
+    """After the document, pool=free gives the prefill chunk's room to the zoom pool: more spans rebuilt per
+    decode step than planned, the measured device peak still within the budget; fixed keeps the plan."""
+    rope = Rope(CFG)
+    n = 3000
+    sekv = create_policy("sekv", CFG, rope, budget=0.3, l_min=4, l_max=32, recent=32, pool=pool)
+    sekv.reserve(n)
+    run(sekv, n, sekv.max_chunk_tokens())
+    planned, spans = sekv.zoom_k, sekv.span_len.length
+    assert planned < spans  # the plan cannot zoom every span: room matters
+    held_before = sekv.memory().device_bytes
+    sekv.finish_prefill()
+    decode_step(sekv, n)
+    limit = 0.3 * CFG.full_kv_bytes(n)
+    report = sekv.memory()
+    assert report.device_peak_bytes <= limit, (report.device_peak_bytes, limit)
+    if pool == "fixed":
+        assert sekv._step_zoom_k == planned and report.device_bytes == held_before
+    else:
+        assert planned < sekv._step_zoom_k <= spans  # the chunk's room went to the pool
+        assert report.device_bytes < held_before  # the pending buffers gave it back
+        chosen = sekv._zoom_events[-1][1]
+        assert chosen.shape[-1] == sekv._step_zoom_k and (chosen >= 0).all()
+        # the step's rebuilt rows (float32 K and V) fill what the tensors left of the budget
+        assert limit - report.device_peak_bytes < sekv.zoom_pool_bytes(1) + sekv.token_bytes * 16 + 64
+
+
+def test_pool_free_is_only_for_the_auto_sized_pool() -> None:
+    sekv = create_policy("sekv", CFG, Rope(CFG), budget=0.3, zoom_k=4, pool="free")
+    assert not sekv.free_pool  # an explicit zoom_k is the user's pool size at every step
+    with pytest.raises(Exception, match="pool must be one of"):
+        create_policy("sekv", CFG, Rope(CFG), budget=0.3, pool="huge")
+
+
 def test_rollback_restores_the_document_state() -> None:
     rope = Rope(CFG)
     sekv = create_policy("sekv", CFG, rope, budget=10 ** 7, l_min=4, l_max=16, recent=16, zoom_k=4)

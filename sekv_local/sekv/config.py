@@ -14,9 +14,13 @@ AUTO_RANK_RULES = ("span", "row", "exact")
 ROUTERS = ("auto", "projection", "attention", "bounds", "union")
 #: what `router=auto` runs once a trained router is loaded: its file names one ("projection" when it does not)
 AUTO_ROUTERS = ("projection", "union")
+POOLS = ("auto", "fixed", "free")
+#: what `pool=auto` runs once a trained router is loaded: its file names one ("fixed" when it does not)
+AUTO_POOLS = ("fixed", "free")
 #: the options whose "auto" a trained router's file settles: option -> (the file's info key, choices; the
 #: first is what a file that names none gets)
-FILE_CHOICES = {"router": ("auto_router", AUTO_ROUTERS), "rank_rule": ("rank_rule", AUTO_RANK_RULES)}
+FILE_CHOICES = {"router": ("auto_router", AUTO_ROUTERS), "rank_rule": ("rank_rule", AUTO_RANK_RULES),
+                "pool": ("zoom_pool", AUTO_POOLS)}
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,11 @@ class SekvConfig:
         boundary tokens); the budget may lower it further.
     zoom_k: spans rebuilt per layer and KV head per step (hard top-k: the zoom pool's size); "auto" sizes the
         pool to fill the device budget left after summaries and exact rows (capped by the number of spans).
+    pool: with zoom_k "auto", "fixed" zooms the planned pool at every step; "free" also lets a step's pool take
+        the device room that step leaves unused, measured from the tensors held at its start: after the
+        document is read, the room reserved for a prefill chunk (the pending buffers give it back) holds more
+        rebuilt spans while the question is read and the answer decoded; never past the budget (see RESULTS
+        "Gemma 3"); "auto": what the trained router's file names ("fixed" when it names nothing or there is none).
     energy: SVD rank per span = smallest rank keeping this fraction of the squared singular values.
     max_rank: rank cap per span.
     rank_rule: "span" keeps `energy` of the span's squared singular values (the authors' rule); "row" keeps
@@ -77,6 +86,7 @@ class SekvConfig:
     routing_dim: int = 32
     threshold: float = 0.05
     router: str = "auto"
+    pool: str = "auto"
     share_layers: int = 1
     summary_bias: float = 1.0
     positions: str = "original"
@@ -103,6 +113,7 @@ class SekvConfig:
         need(self.share_layers >= 1, "share_layers must be >= 1")
         need(self.summary_bias >= 0, "summary_bias must be >= 0")
         need(self.router in ROUTERS, f"router must be one of {ROUTERS}")
+        need(self.pool in POOLS, f"pool must be one of {POOLS}")
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
         need(self.dtype in ("f16", "bf16", "f32"), "dtype must be f16, bf16 or f32")
         need(isinstance(self.trained, bool), "trained must be true or false")

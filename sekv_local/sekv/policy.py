@@ -99,6 +99,7 @@ class SekvCache(CachePolicy):
         self.stats = RunningStats()
         self._prev_logprobs: torch.Tensor | None = None
         self._zoom_events: list[tuple[int, torch.Tensor]] = []
+        self._step_zoom_k = 0  # this step's pool (the planned one, or more with pool=free)
         self._shift = 0
         self._zoom_bytes = 0
         self.planned_tokens = config.context_length
@@ -117,6 +118,7 @@ class SekvCache(CachePolicy):
         self.router_kind = settle("router", "attention")
         self._bounds = self.router_kind == "bounds"
         self.rank_rule = settle("rank_rule", "span")
+        self.free_pool = settle("pool", "fixed") == "free" and self.cfg.zoom_k == "auto"
 
     # -- budget ------------------------------------------------------------------------------------
     @property
@@ -183,10 +185,11 @@ class SekvCache(CachePolicy):
             f"need {fixed / 2**20:.1f} MiB and span summaries at least {(best - fixed) / 2**20:.1f} MiB. "
             f"Use a budget of at least {best / full:.0%} (e.g. --budget {min(1.0, 1.25 * best / full):.2f}).")
 
-    def zoom_pool_bytes(self) -> int:
-        """One layer's rebuilt K and V rows (float32): the zoom working set of a step."""
+    def zoom_pool_bytes(self, spans: int | None = None) -> int:
+        """One layer's rebuilt K and V rows (float32) for `spans` spans (the planned pool by default): the
+        zoom working set of a step."""
         c = self.config
-        return 2 * c.n_kv_heads * self.zoom_k * self.l_max * c.head_dim * 4
+        return 2 * c.n_kv_heads * (self.zoom_k if spans is None else spans) * self.l_max * c.head_dim * 4
 
     def max_chunk_tokens(self) -> int:
         return self.chunk_tokens
@@ -205,6 +208,19 @@ class SekvCache(CachePolicy):
             self._shift = max(0, int(positions.max()) + 1 + _POSITION_MARGIN - self.config.context_length)
         self._q_cos_sin = self.rope.cos_sin(positions - self._shift)
         self._k_cos_sin = self._q_cos_sin if self._shift == 0 else self.rope.cos_sin(positions)
+        self._step_zoom_k = self.zoom_k if not self.free_pool else self._free_zoom_k(int(positions.shape[0]))
+
+    def _free_zoom_k(self, n_new: int) -> int:
+        """pool=free: the spans this step can rebuild within the budget, from the bytes the device tensors
+        hold now, the growth of the pending buffers by this step's n_new tokens (they grow in whole
+        steps) and one layer's rebuilt rows per span; never fewer than the planned pool (the plan already
+        holds room for it)."""
+        held = sum(storage_bytes(*self.device_tensors(layer)) for layer in range(self.config.n_layers))
+        pend = self.layers[0].pend_k
+        rows = -(-(pend.length + n_new) // pend.step) * pend.step - pend.data.shape[1]
+        growth = max(rows, 0) * (self.token_bytes + self.pend_surprisal.data.element_size())
+        free = (self.budget_bytes - held - growth) // self.zoom_pool_bytes(1)
+        return int(max(self.zoom_k, min(free, self.span_len.length)))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE on pre-RoPE x [..., N, D] (any float dtype -> float32) at positions [N] or [KV, N],
@@ -256,7 +272,7 @@ class SekvCache(CachePolicy):
             if self.cfg.summary_bias != 1.0:
                 span_bias = span_bias * self.cfg.summary_bias if self.cfg.summary_bias > 0 \
                     else torch.full_like(span_bias, float("-inf"))
-            k_zoom = min(self.zoom_k, n_spans)
+            k_zoom = min(self._step_zoom_k, n_spans)
             if k_zoom:
                 chosen = self._route(layer, q, q_rot, sum_k, L, log_len, k_zoom)  # [KV, k], -1 = unused
                 valid = chosen >= 0
@@ -461,9 +477,13 @@ class SekvCache(CachePolicy):
         return int(max(0.0, min(allowed, self.cfg.anchor_fraction * region)))
 
     def finish_prefill(self) -> None:
-        """Fold whatever left the recent window so the device tier is back to steady state."""
+        """Fold whatever left the recent window so the device tier is back to steady state; with
+        pool=free the pending buffers give back the prefill chunk's room for the zoom pool to use."""
         if self.pend_pos.length > self.recent:
             self._compress()
+        if self.free_pool:
+            for buf in (self.pend_pos, self.pend_surprisal, *(b for L in self.layers for b in (L.pend_k, L.pend_v))):
+                buf.shrink()
 
     # -- rollback ----------------------------------------------------------------------------------
     def mark(self) -> dict[str, Any]:

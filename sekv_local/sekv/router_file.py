@@ -176,6 +176,22 @@ def load_router(path: str | Path) -> RouterParams:
     return params
 
 
+def set_file_choices(path: str | Path, changes: dict[str, str]) -> dict[str, str]:
+    """Set what SeKV's "auto" options run with the router file at `path` (info keys of FILE_CHOICES, e.g.
+    {"zoom_pool": "free"}), rewriting it only when something changes; the parameters are copied untouched.
+    Returns every choice the file now settles (a key it does not name: its default)."""
+    choices = {key: allowed for key, allowed in FILE_CHOICES.values()}
+    for key, value in changes.items():
+        if key not in choices or value not in choices[key]:
+            raise RouterFileError(f"{path}: {key}={value!r} is not a router file choice "
+                                  f"({', '.join(f'{k}: {v}' for k, v in choices.items())})")
+    params = load_router(path)
+    if any(params.info.get(key) != value for key, value in changes.items()):
+        params.info.update(changes)
+        save_router(path, params)
+    return {key: params.info.get(key, allowed[0]) for key, allowed in choices.items()}
+
+
 # -- GGUF metadata ---------------------------------------------------------------------------------------
 def gguf_entries(params: RouterParams) -> list[tuple[str, Any, str]]:
     """(key, value, kind) to write into a GGUF; kind is "u32", "str" or "f32[]" (flattened, row-major)."""

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import Interrupted, SekvError, config_check
-from ..sekv.config import AUTO_RANK_RULES, AUTO_ROUTERS, SekvConfig
+from ..sekv.config import AUTO_POOLS, AUTO_RANK_RULES, AUTO_ROUTERS, SekvConfig
 from ..sekv.router import Router
 from ..sekv.router_file import params_of, save_router
 from .student import LossWeights, student_losses
@@ -43,7 +43,8 @@ class TrainConfig:
     auto_router: the routing SeKV's `router=auto` uses with this router ("projection": the learned one;
     "union": half the zoom pool by the attention rule), stored in the file; training does not use it.
     rank_rule: likewise what SeKV's `rank_rule=auto` uses with this router ("span", "row": the per-token
-    energy rule, or "exact": spans kept raw)."""
+    energy rule, or "exact": spans kept raw); zoom_pool: what `pool=auto` uses ("fixed", or "free": a step's
+    pool also takes the device room the step leaves unused)."""
 
     model: str = "smollm2-135m"
     steps: int = 400
@@ -55,6 +56,7 @@ class TrainConfig:
     max_minutes: float | None = None
     auto_router: str = "projection"
     rank_rule: str = "span"
+    zoom_pool: str = "fixed"
     weights: LossWeights = field(default_factory=LossWeights)
 
     def __post_init__(self) -> None:
@@ -68,12 +70,13 @@ class TrainConfig:
         need(self.max_minutes is None or self.max_minutes > 0, "max_minutes must be > 0")
         need(self.auto_router in AUTO_ROUTERS, f"auto_router must be one of {AUTO_ROUTERS}")
         need(self.rank_rule in AUTO_RANK_RULES, f"rank_rule must be one of {AUTO_RANK_RULES}")
+        need(self.zoom_pool in AUTO_POOLS, f"zoom_pool must be one of {AUTO_POOLS}")
 
     def fingerprint(self) -> dict[str, Any]:
         """Settings a resumed run must share with the run it continues (steps and time limit may change)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("steps", "max_minutes",
                                                                                  "checkpoint_every", "auto_router",
-                                                                                 "rank_rule")}
+                                                                                 "rank_rule", "zoom_pool")}
         out["weights"] = asdict(self.weights)
         return out
 
@@ -210,7 +213,7 @@ def train_router(config: TrainConfig, out: Path, fresh: bool = False, progress: 
         recent = history[-50:]
         info = {"model": config.model, "model_sha256": file_sha256(model_path), "steps": step, "seed": config.seed,
                 "lr": config.lr, "context_tokens": config.context_tokens, "query_tokens": config.query_tokens,
-                "auto_router": config.auto_router, "rank_rule": config.rank_rule,
+                "auto_router": config.auto_router, "rank_rule": config.rank_rule, "zoom_pool": config.zoom_pool,
                 "final_losses": {k: round(sum(h[k] for h in recent) / len(recent), 6)
                                  for k in ("kl", "zoom_bce", "reconstruction", "budget", "zoom_fraction",
                                            "rank_fraction")}}
