@@ -21,6 +21,25 @@ from .session import Session, SessionSettings
 from .sekv.config import AUTO_POOLS, AUTO_RANK_RULES, AUTO_ROUTERS
 
 
+def router_file_choices(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The options naming what SeKV's "auto" settings run with a router file (stored in it; `train` and
+    `convert choices` share them; training itself does not use them)."""
+    options = [
+        click.option("--auto-router", type=click.Choice(list(AUTO_ROUTERS)),
+                     help="What `router=auto` runs with this router (projection, the default: the learned router; "
+                          "union: half the zoom pool by the attention rule)."),
+        click.option("--rank-rule", type=click.Choice(list(AUTO_RANK_RULES)),
+                     help="What `rank_rule=auto` runs with it (span, the default: energy of the whole span; row: "
+                          "energy of every token row; exact: spans kept raw)."),
+        click.option("--pool", "zoom_pool", type=click.Choice(list(AUTO_POOLS)),
+                     help="What `pool=auto` runs with it (fixed, the default: the planned size at every step; free: "
+                          "a step's pool also takes the device room the step leaves unused)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def _parse_budget(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | int | None:
     """'0.25' or '25%' = fraction of full-KV bytes; '64MiB' / '500KB' / '123456' (bytes) = absolute."""
     if value is None:
@@ -328,16 +347,7 @@ def perplexity(methods_: str, budgets: str, context_: str, out: Path, **kw: Any)
 @click.option("--max-minutes", type=click.FloatRange(min=0, min_open=True),
               help="Stop (checkpoint saved) after this long; run again to continue.")
 @click.option("--threads", type=click.IntRange(1, 256), help="CPU threads (default: all cores).")
-@click.option("--auto-router", type=click.Choice(list(AUTO_ROUTERS)),
-              help="SeKV: the routing `router=auto` runs with this router, stored in the file (default projection: "
-                   "the learned router; union: half the zoom pool by the attention rule). Training does not use it.")
-@click.option("--rank-rule", type=click.Choice(list(AUTO_RANK_RULES)),
-              help="SeKV: the span rank rule `rank_rule=auto` runs with this router, stored in the file (default span: "
-                   "energy of the whole span; row: energy of every token row; exact: spans kept raw). Training does not use it.")
-@click.option("--pool", "zoom_pool", type=click.Choice(list(AUTO_POOLS)),
-              help="SeKV: the zoom pool `pool=auto` runs with this router, stored in the file (default fixed: the planned "
-                   "size at every step; free: a step's pool also takes the device room the step leaves unused). "
-                   "Training does not use it.")
+@router_file_choices
 @click.option("--fresh", is_flag=True, help="Ignore an existing checkpoint and start over.")
 def train(method: str, model: str, out: Path, threads: int | None, fresh: bool, **kw: Any) -> None:
     """Train a method's parameters against the frozen model's full-KV behaviour: SeKV's router
@@ -430,9 +440,7 @@ def convert_hf(folder: Path, out: Path, router: Path | None, outtype: str) -> No
 
 @convert.command("choices")
 @click.argument("router", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--auto-router", type=click.Choice(list(AUTO_ROUTERS)), help="What `router=auto` runs with it.")
-@click.option("--rank-rule", type=click.Choice(list(AUTO_RANK_RULES)), help="What `rank_rule=auto` runs with it.")
-@click.option("--pool", "zoom_pool", type=click.Choice(list(AUTO_POOLS)), help="What `pool=auto` runs with it.")
+@router_file_choices
 def convert_choices(router: Path, **choices: str | None) -> None:
     """Show what SeKV's "auto" options run with a trained ROUTER file (.safetensors), or set them in place
     (the trained parameters are not touched; `sekv-local train` names them with the same flags)."""

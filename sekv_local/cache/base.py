@@ -185,9 +185,12 @@ class CachePolicy(ABC):
         """Tensors of `layer` parked in host RAM."""
         return []
 
+    def device_bytes_now(self) -> int:
+        """Bytes the device tier's tensors hold at this moment (all layers)."""
+        return sum(storage_bytes(*self.device_tensors(l)) for l in range(self.config.n_layers))
+
     def _note_peak(self, extra: int = 0) -> None:
-        now = sum(storage_bytes(*self.device_tensors(l)) for l in range(self.config.n_layers)) + extra
-        self._peak_device = max(self._peak_device, now)
+        self._peak_device = max(self._peak_device, self.device_bytes_now() + extra)
 
     def memory(self) -> MemoryReport:
         dev = [storage_bytes(*self.device_tensors(l)) for l in range(self.config.n_layers)]

@@ -215,7 +215,7 @@ class SekvCache(CachePolicy):
         hold now, the growth of the pending buffers by this step's n_new tokens (they grow in whole
         steps) and one layer's rebuilt rows per span; never fewer than the planned pool (the plan already
         holds room for it)."""
-        held = sum(storage_bytes(*self.device_tensors(layer)) for layer in range(self.config.n_layers))
+        held = self.device_bytes_now()
         pend = self.layers[0].pend_k
         rows = -(-(pend.length + n_new) // pend.step) * pend.step - pend.data.shape[1]
         growth = max(rows, 0) * (self.token_bytes + self.pend_surprisal.data.element_size())
