@@ -8,7 +8,9 @@ the questions both ran one method alone was right:
 
 `--alias OLD NEW` counts OLD's records as NEW's, for one setting that ran under two names (e.g. raw
 spans as `sekv@rank_gate=false@energy=1.0@max_rank=64` before `sekv@rank_rule=exact` existed). A
-question that both names answered counts once, under NEW's record.
+question that both names answered counts once, under NEW's record. `--alias-in RUN OLD NEW` renames only
+in the folder RUN: one name that meant another setting when RUN was measured (plain `sekv` before a
+default changed) while other folders use it for today's.
 """
 
 from __future__ import annotations
@@ -25,10 +27,17 @@ def question_key(record: dict) -> tuple:
     return record["length"], record["task"], record["seed"], record["sample"], record["turn"]
 
 
-def pool_records(runs: list[Path], aliases: dict[str, str]) -> list[dict]:
-    """All records of `runs`, renamed by `aliases`; a question NEW already answered is not counted again."""
+def pool_records(runs: list[Path], aliases: dict[str, str],
+                 run_aliases: dict[Path, dict[str, str]] | None = None) -> list[dict]:
+    """All records of `runs`, renamed by `run_aliases` (per folder), then by `aliases`; a question NEW
+    already answered is not counted again."""
     records, seen = [], set()
-    raw = [r for run in runs for r in json.loads((run / "results.json").read_text())["records"]]
+    local = {Path(run).resolve(): names for run, names in (run_aliases or {}).items()}
+    unknown = set(local) - {Path(run).resolve() for run in runs}
+    if unknown:
+        raise SystemExit(f"--alias-in names folders that are not pooled: {', '.join(map(str, sorted(unknown)))}")
+    raw = [{**r, "method": local.get(run.resolve(), {}).get(r["method"], r["method"])}
+           for run in runs for r in json.loads((run / "results.json").read_text())["records"]]
     # NEW's own records first, so a question both names ran keeps NEW's answer
     for r in sorted(raw, key=lambda r: r["method"] in aliases):
         r = {**r, "method": aliases.get(r["method"], r["method"])}
@@ -77,8 +86,13 @@ def main() -> None:
     ap.add_argument("--reference", default="full", help="method the others are compared with")
     ap.add_argument("--alias", nargs=2, action="append", default=[], metavar=("OLD", "NEW"),
                     help="count method OLD's records as NEW's (repeatable)")
+    ap.add_argument("--alias-in", nargs=3, action="append", default=[], metavar=("RUN", "OLD", "NEW"),
+                    help="the same, only in the folder RUN (repeatable)")
     args = ap.parse_args()
-    records = pool_records(args.runs, dict(args.alias))
+    run_aliases: dict[Path, dict[str, str]] = {}
+    for run, old, new in args.alias_in:
+        run_aliases.setdefault(Path(run), {})[old] = new
+    records = pool_records(args.runs, dict(args.alias), run_aliases)
     print(markdown_table(summarize(records), title=f"{len(records)} records from {len(args.runs)} runs"))
     print("\n| length | task | method | right | only this right | only reference right |")
     print("|---|---|---|---:|---:|---:|")

@@ -430,7 +430,8 @@ def test_the_packaged_gemma_router_drives_sekv_on_the_global_layers(gemma_path, 
     engine = TorchEngine(gemma_path, gemma_tokenizer, EngineOptions(method="sekv", budget=0.25, threads=THREADS))
     inner = engine.cache.inner
     assert inner.router.trained and inner.router_kind == "union"  # the file says so (RESULTS, "Gemma 3")
-    assert inner.rank_rule == "exact"  # and spans kept raw in host RAM
+    assert inner.rank_rule == "exact"  # and spans kept raw in host RAM, zoomed as stored (f16)
+    assert inner.zoom_dtype == torch.float16 and inner.zoom_pool_bytes(1) == 2 * 64 * 256 * 2
     assert not inner.free_pool  # the file names no pool: planned once
     assert inner.router.threshold_logit.shape[0] == 3
     assert any("packaged for this model (gemma3-270m.safetensors)" in n for n in engine.notices)

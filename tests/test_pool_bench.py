@@ -58,3 +58,19 @@ def test_command_line_prints_the_pooled_table(tmp_path: Path) -> None:
                          capture_output=True, text=True).stdout
     assert f"| 16K | niah_multikey | {NEW} 25.0% | 1/1 | 0 | 0 |" in out
     assert OLD not in out
+
+
+def test_alias_in_renames_only_in_its_folder(tmp_path: Path) -> None:
+    # "sekv" meant the untrained router in the old folder and means today's default in the new one
+    old = write_run(tmp_path / "old", [rec("full", 1, 0, 1.0), rec("sekv", 1, 0, 0.0)])
+    new = write_run(tmp_path / "new", [rec("sekv", 1, 0, 1.0)])
+    records = pool_bench.pool_records([old, new], {}, {old: {"sekv": "sekv@trained=false"}})
+    assert sorted((r["method"], r["score"]) for r in records) == [
+        ("full", 1.0), ("sekv", 1.0), ("sekv@trained=false", 0.0)]
+    out = subprocess.run([sys.executable, str(SCRIPT), str(old), str(new), "--alias-in", str(old), "sekv",
+                          "sekv@trained=false"], check=True, capture_output=True, text=True).stdout
+    assert "| 16K | niah_multikey | sekv 25.0% | 1/1 | 0 | 0 |" in out
+    assert "| 16K | niah_multikey | sekv@trained=false 25.0% | 0/1 | 0 | 1 |" in out
+    bad = subprocess.run([sys.executable, str(SCRIPT), str(new), "--alias-in", str(old), "sekv", "x"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "not pooled" in bad.stderr

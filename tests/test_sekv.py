@@ -113,6 +113,38 @@ def test_a_free_pool_takes_the_prefill_chunks_room_at_decode_within_the_budget(p
         assert limit - report.device_peak_bytes < sekv.zoom_pool_bytes(1) + sekv.token_bytes * 16 + 64
 
 
+def test_raw_spans_are_zoomed_at_the_cache_dtype_twice_the_pool_in_the_same_bytes() -> None:
+    """rank_rule=exact rebuilds rows exactly as the host stores them (f16): attention is the same as from
+    float32 copies of those rows, one span costs half the device bytes, so the planned pool doubles and the
+    measured peak stays within the budget. Factored spans keep float32 products."""
+    rope = Rope(CFG)
+    n, limit = 3000, 0.3 * CFG.full_kv_bytes(3000)
+    plans = {}
+    for rule in ("span", "exact"):
+        sekv = create_policy("sekv", CFG, rope, budget=0.3, l_min=4, l_max=32, recent=32, rank_rule=rule)
+        sekv.reserve(n)
+        plans[rule] = sekv
+    span, exact = plans["span"], plans["exact"]
+    assert (span.zoom_dtype, exact.zoom_dtype) == (torch.float32, torch.float16)
+    assert 2 * exact.zoom_pool_bytes(1) == span.zoom_pool_bytes(1)
+    assert exact.zoom_k >= 2 * span.zoom_k - 1 and span.zoom_k >= 8
+    run(exact, n, exact.max_chunk_tokens())
+    decode_step(exact, n)
+    assert exact._zoom_events[-1][1].shape[-1] == exact.zoom_k < exact.span_len.length
+    assert exact.memory().device_peak_bytes <= limit
+
+    class Float32Rows(type(exact)):
+        zoom_dtype = torch.float32  # the old behaviour: float32 copies of the same rows
+
+    outputs = []
+    for cls in (type(exact), Float32Rows):
+        sekv = cls(CFG, rope, budget=10 ** 7, zoom_k=4, l_min=4, l_max=16, recent=16, rank_rule="exact")
+        outputs.append(run(sekv, 600, 100))
+        assert sekv._zoom_events and sekv.span_len.length > 4
+    for a, b in zip(*outputs):
+        assert torch.equal(a, b)
+
+
 def test_pool_free_is_only_for_the_auto_sized_pool() -> None:
     sekv = create_policy("sekv", CFG, Rope(CFG), budget=0.3, zoom_k=4, pool="free")
     assert not sekv.free_pool  # an explicit zoom_k is the user's pool size at every step

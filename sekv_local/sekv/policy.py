@@ -185,11 +185,19 @@ class SekvCache(CachePolicy):
             f"need {fixed / 2**20:.1f} MiB and span summaries at least {(best - fixed) / 2**20:.1f} MiB. "
             f"Use a budget of at least {best / full:.0%} (e.g. --budget {min(1.0, 1.25 * best / full):.2f}).")
 
+    @property
+    def zoom_dtype(self) -> torch.dtype:
+        """Type of the rebuilt (zoomed) rows. Raw spans (rank rule "exact") come back from the host exactly
+        as stored, so they stay at the cache dtype: a float32 copy would hold the same values in twice the
+        device bytes. Factored spans keep their U @ W products in float32."""
+        return _DTYPES[self.cfg.dtype] if self.rank_rule == "exact" else torch.float32
+
     def zoom_pool_bytes(self, spans: int | None = None) -> int:
-        """One layer's rebuilt K and V rows (float32) for `spans` spans (the planned pool by default): the
-        zoom working set of a step."""
+        """One layer's rebuilt K and V rows (at `zoom_dtype`) for `spans` spans (the planned pool by default):
+        the zoom working set of a step."""
         c = self.config
-        return 2 * c.n_kv_heads * (self.zoom_k if spans is None else spans) * self.l_max * c.head_dim * 4
+        item = self.zoom_dtype.itemsize
+        return 2 * c.n_kv_heads * (self.zoom_k if spans is None else spans) * self.l_max * c.head_dim * item
 
     def max_chunk_tokens(self) -> int:
         return self.chunk_tokens
@@ -282,7 +290,7 @@ class SekvCache(CachePolicy):
                 zk, zv, zpos, zbias = self._rebuild(L, chosen_c, valid)
                 self._zoom_bytes = max(self._zoom_bytes, storage_bytes(zk, zv))
                 keys.append(self._rope(zk, zpos))
-                values.append(zv)
+                values.append(zv.float())
                 biases.append(zbias[:, None, :])
                 self._zoom_events.append((layer, chosen))
             keys.append(sum_k)
@@ -336,15 +344,16 @@ class SekvCache(CachePolicy):
         heads = torch.arange(KV).repeat_interleave(k)
         spans = chosen.reshape(-1).cpu()
         lengths = self.span_len.view()
+        dt = self.zoom_dtype
         if self.cfg.share_layers == 1:
-            zk = L.fac_k.rebuild(heads, spans, lengths, pad).to(self.device).view(KV, k * pad, -1)
-            zv = L.fac_v.rebuild(heads, spans, lengths, pad).to(self.device).view(KV, k * pad, -1)
+            zk = L.fac_k.rebuild(heads, spans, lengths, pad).to(self.device, dt).view(KV, k * pad, -1)
+            zv = L.fac_v.rebuild(heads, spans, lengths, pad).to(self.device, dt).view(KV, k * pad, -1)
         else:  # the layer's columns of the window's shared factors: features are (layer, head, dim)
             D = self.config.head_dim
             columns = (L.slot * KV + heads) * D
             one = torch.zeros_like(heads)
-            zk = L.fac_k.rebuild(one, spans, lengths, pad, columns, D).to(self.device).view(KV, k * pad, -1)
-            zv = L.fac_v.rebuild(one, spans, lengths, pad, columns, D).to(self.device).view(KV, k * pad, -1)
+            zk = L.fac_k.rebuild(one, spans, lengths, pad, columns, D).to(self.device, dt).view(KV, k * pad, -1)
+            zv = L.fac_v.rebuild(one, spans, lengths, pad, columns, D).to(self.device, dt).view(KV, k * pad, -1)
         t = torch.arange(pad, device=self.device)
         span_start = self.span_pos.view()[chosen]  # [KV, k]
         zpos = (span_start[..., None] + t).view(KV, k * pad)
