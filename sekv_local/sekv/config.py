@@ -47,8 +47,8 @@ class SekvConfig:
         not averaged away: higher ranks where a span holds them, host bytes only; "exact" keeps every span
         raw in host RAM (no SVD; energy, max_rank and the rank gate unused): lossless zoom-ins for the host
         bytes of full KV, rebuilt at `dtype` (the values as stored; factored spans are rebuilt in float32), so
-        the same device bytes hold twice the zoom pool (see RESULTS "Gemma 3"); "auto": what the trained router's file names ("span" when
-        it names nothing or there is none).
+        the same device bytes hold twice the zoom pool (see RESULTS "Gemma 3"); "auto": what the trained
+        router's file names ("span" when it names nothing or there is none).
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
     router: "auto" ("projection" when trained router parameters are loaded, else "attention"),
