@@ -1,8 +1,8 @@
 """Pool the records of several `sekv-local bench` runs (e.g. one per seed) into one summary.
 
 Prints the bench's own summary table over all records, then per (length, task, method) how many
-questions were right out of how many, and, against `--reference` (full KV by default), on how many of
-the questions both ran one method alone was right:
+questions were right out of how many, the accuracy with its 95% Wilson score interval, and, against
+`--reference` (full KV by default), on how many of the questions both ran one method alone was right:
 
     python scripts/pool_bench.py docs/bench/gemma_row_16k_seed* docs/bench/gemma_row_32k_seed*
 
@@ -20,7 +20,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from sekv_local.eval.report import markdown_table, summarize
+from sekv_local.eval.report import fmt_accuracy, markdown_table, summarize
 
 
 def question_key(record: dict) -> tuple:
@@ -58,9 +58,15 @@ def length_group(length: int) -> str:
     return f"{round(length / 1000)}K"
 
 
-def compare(records: list[dict], reference: str) -> list[tuple[str, str, str, int, int, int | None, int | None]]:
-    """Per (length group, task, method): right, asked, and on the questions both ran, how many this method
-    alone got right and how many `reference` alone got right (None for the reference itself)."""
+def fmt_right(right: float) -> str:
+    """A sum of scores as a count: ``"3"``, or ``"2.5"`` when partial credit left a fraction."""
+    return str(round(right)) if abs(right - round(right)) < 1e-6 else f"{right:.2f}".rstrip("0").rstrip(".")
+
+
+def compare(records: list[dict], reference: str) -> list[tuple[str, str, str, float, int, int | None, int | None]]:
+    """Per (length group, task, method): right (the sum of the scores, so partial credit counts as its
+    fraction), asked, and on the questions both ran, how many this method alone got right and how many
+    `reference` alone got right (None for the reference itself)."""
     score: dict[str, dict[tuple, float]] = defaultdict(dict)
     for r in records:
         score[label(r)][question_key(r)] = r["score"]
@@ -76,7 +82,7 @@ def compare(records: list[dict], reference: str) -> list[tuple[str, str, str, in
             both = [k for k in mine if k in ref]
             alone = (None, None) if method == reference else \
                 (sum(mine[k] > ref[k] for k in both), sum(ref[k] > mine[k] for k in both))
-            rows.append((group, task, method, round(sum(mine.values())), len(mine), *alone))
+            rows.append((group, task, method, float(sum(mine.values())), len(mine), *alone))
     return rows
 
 
@@ -94,11 +100,12 @@ def main() -> None:
         run_aliases.setdefault(Path(run), {})[old] = new
     records = pool_records(args.runs, dict(args.alias), run_aliases)
     print(markdown_table(summarize(records), title=f"{len(records)} records from {len(args.runs)} runs"))
-    print("\n| length | task | method | right | only this right | only reference right |")
-    print("|---|---|---|---:|---:|---:|")
+    print("\n| length | task | method | right | accuracy % [95% CI] | only this right | only reference right |")
+    print("|---|---|---|---:|---:|---:|---:|")
     for group, task, method, right, asked, mine, ref in compare(records, args.reference):
-        print(f"| {group} | {task} | {method} | {right}/{asked} | {'-' if mine is None else mine} | "
-              f"{'-' if ref is None else ref} |")
+        accuracy = fmt_accuracy(right, asked, with_n=False)
+        print(f"| {group} | {task} | {method} | {fmt_right(right)}/{asked} | {accuracy} | "
+              f"{'-' if mine is None else mine} | {'-' if ref is None else ref} |")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ def session_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="KV cache method (see `sekv-local methods`); settings as METHOD@KEY=VALUE, e.g. "
                           "sekv@positions=bounded for documents longer than the model's trained context."),
         click.option("--budget", callback=_parse_budget, help="Device-tier budget: fraction (0.25, 25%) or bytes (64MiB)."),
+        click.option("--read-budget", callback=_parse_budget,
+                     help="SeKV: host bytes a decode step may read back, a fraction of full KV (0.05) or bytes "
+                          "(8MiB); default 0.05."),
         click.option("--threads", type=click.IntRange(1, 256), help="CPU threads (default: all cores)."),
         click.option("--max-new-tokens", type=click.IntRange(1, 8192), default=256, show_default=True),
         click.option("--chunk-size", type=click.IntRange(16, 16384), default=1024, show_default=True,
@@ -79,6 +82,10 @@ def session_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _settings(kw: dict[str, Any]) -> SessionSettings:
     method, options = split_variant(kw["method"])
+    if kw.get("read_budget") is not None:
+        if method not in ("sekv", "sekv+xkv"):
+            raise click.BadParameter(f"method '{method}' takes no read budget (SeKV's option)", param_hint="--read-budget")
+        options["read_budget"] = kw["read_budget"]
     return SessionSettings(
         model=kw["model"], engine=kw["engine"], method=method, budget=kw["budget"], threads=kw["threads"],
         chunk_size=kw["chunk_size"], device=kw["device"], max_new_tokens=kw["max_new_tokens"],

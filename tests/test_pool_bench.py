@@ -56,7 +56,7 @@ def test_command_line_prints_the_pooled_table(tmp_path: Path) -> None:
     run = write_run(tmp_path / "a", [rec("full", 1, 0, 1.0), rec(OLD, 1, 0, 1.0)])
     out = subprocess.run([sys.executable, str(SCRIPT), str(run), "--alias", OLD, NEW], check=True,
                          capture_output=True, text=True).stdout
-    assert f"| 16K | niah_multikey | {NEW} 25.0% | 1/1 | 0 | 0 |" in out
+    assert f"| 16K | niah_multikey | {NEW} 25.0% | 1/1 | 100.0 [20.7, 100.0] | 0 | 0 |" in out
     assert OLD not in out
 
 
@@ -69,8 +69,22 @@ def test_alias_in_renames_only_in_its_folder(tmp_path: Path) -> None:
         ("full", 1.0), ("sekv", 1.0), ("sekv@trained=false", 0.0)]
     out = subprocess.run([sys.executable, str(SCRIPT), str(old), str(new), "--alias-in", str(old), "sekv",
                           "sekv@trained=false"], check=True, capture_output=True, text=True).stdout
-    assert "| 16K | niah_multikey | sekv 25.0% | 1/1 | 0 | 0 |" in out
-    assert "| 16K | niah_multikey | sekv@trained=false 25.0% | 0/1 | 0 | 1 |" in out
+    assert "| 16K | niah_multikey | sekv 25.0% | 1/1 | 100.0 [20.7, 100.0] | 0 | 0 |" in out
+    assert "| 16K | niah_multikey | sekv@trained=false 25.0% | 0/1 | 0.0 [0.0, 79.3] | 0 | 1 |" in out
     bad = subprocess.run([sys.executable, str(SCRIPT), str(new), "--alias-in", str(old), "sekv", "x"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "not pooled" in bad.stderr
+
+
+def test_right_keeps_partial_credit_and_the_table_shows_the_interval(tmp_path: Path) -> None:
+    # string_match_all gave half credit on one question: 1.5 right of 2, not a rounded 2 (or 1)
+    run = write_run(tmp_path / "a", [rec("full", 1, 0, 1.0), rec("full", 1, 1, 0.5)])
+    (row,) = pool_bench.compare(pool_bench.pool_records([run], {}), "full")
+    assert row == ("16K", "niah_multikey", "full", 1.5, 2, None, None)
+    assert pool_bench.fmt_right(1.5) == "1.5" and pool_bench.fmt_right(2.0) == "2"
+    assert pool_bench.fmt_right(1 / 3 + 1 / 3 + 1 / 3) == "1"
+    out = subprocess.run([sys.executable, str(SCRIPT), str(run)], check=True, capture_output=True, text=True).stdout
+    assert "| 16K | niah_multikey | full | 1.5/2 | 75.0 [19.8, 97.3] | - | - |" in out   # Wilson 1.5 / 2
+    # the pooled summary table above it carries the interval too, and the pivot its n
+    assert "| torch | full | - | niah_multikey | 16000 | 2 | 75.0 | [19.8, 97.3] |" in out
+    assert "75.0 [19.8, 97.3] (n=2)" in out

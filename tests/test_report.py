@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sekv_local.eval import report
+from sekv_local.eval.scoring import wilson_interval
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIB = 1 << 20
@@ -116,8 +118,8 @@ def test_markdown_table_structure_and_formatting():
     assert md.startswith("## Results\n")
     main = _table_lines(md, 0)
     header = [c.strip() for c in main[0].strip("|").split("|")]
-    assert header == ["engine", "method", "budget", "task", "length", "n", "accuracy", "device MiB", "device %",
-                      "peak %", "host MiB", "prefill tok/s", "decode tok/s"]
+    assert header == ["engine", "method", "budget", "task", "length", "n", "accuracy", "95% CI", "device MiB",
+                      "device %", "peak %", "host MiB", "reads/step %", "prefill tok/s", "decode tok/s"]
     assert set(main[1].replace("|", "").replace("-", "").replace(":", "")) == set()
     assert len(main) == 2 + len(rows) == 2 + 8   # (full, sekv 25%, sekv 50%) x niah x 2 lengths + qa x 2
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in main[2:]]
@@ -125,16 +127,20 @@ def test_markdown_table_structure_and_formatting():
     assert {c[2] for c in cells} == {"-", "25%", "50%"}
     assert {c[4] for c in cells} == {"4k", "8k"}
     sekv25_4k = next(c for c in cells if c[1] == "sekv" and c[2] == "25%" and c[4] == "4k")
-    assert sekv25_4k[5] == "5" and sekv25_4k[6] == "60.0" and sekv25_4k[8] == "25.0" and sekv25_4k[9] == "37.5"
+    assert sekv25_4k[5] == "5" and sekv25_4k[6] == "60.0" and sekv25_4k[9] == "25.0" and sekv25_4k[10] == "37.5"
+    assert sekv25_4k[7] == "[23.1, 88.2]"   # Wilson 3/5
 
     pivot = _table_lines(md, 1)
     p_header = [c.strip() for c in pivot[0].strip("|").split("|")]
     assert p_header == ["engine", "method", "budget", "niah 4k", "niah 8k", "qa 4k", "qa 8k", "avg"]
     assert len(pivot) == 2 + 3
     full_row = [c.strip() for c in pivot[2].strip("|").split("|")]
-    assert full_row == ["torch", "full", "-", "100.0", "100.0", "50.0", "50.0", "75.0"]
+    # avg pools the row's questions: (5 + 5 + 0.5 + 0.5) / 12, not the mean of the four cells (75.0)
+    assert full_row == ["torch", "full", "-", "100.0 [56.6, 100.0] (n=5)", "100.0 [56.6, 100.0] (n=5)",
+                        "50.0 [5.5, 94.5] (n=1)", "50.0 [5.5, 94.5] (n=1)", "91.7 [64.6, 98.5] (n=12)"]
     sekv25 = [c.strip() for c in pivot[3].strip("|").split("|")]
-    assert sekv25[:3] == ["torch", "sekv", "25%"] and sekv25[5:7] == ["-", "-"] and sekv25[-1] == "60.0"
+    assert sekv25[:3] == ["torch", "sekv", "25%"] and sekv25[5:7] == ["-", "-"]
+    assert sekv25[-1] == "60.0 [31.3, 83.2] (n=10)"   # Wilson 6/10
 
 
 def test_markdown_model_column_only_with_several_models():
@@ -251,8 +257,12 @@ def test_turn_section_only_for_multi_turn_records():
                for s in range(2) for t in range(3)]
     lines = report.turn_section(records)
     assert lines[0] == "## Accuracy by conversation turn"
-    assert "| turn 1 % | turn 2 % | turn 3 % |" in lines[2]
-    assert lines[4] == "| torch | full | - | multiturn_niah | 4k | 2 | 100.0 | 100.0 | 50.0 |"
+    assert "| turn 1 % [95% CI] | turn 2 % [95% CI] | turn 3 % [95% CI] |" in lines[2]
+    assert lines[4] == ("| torch | full | - | multiturn_niah | 4k | 2 | 100.0 [34.2, 100.0] | 100.0 [34.2, 100.0] "
+                        "| 50.0 [9.5, 90.5] |")
+    # a turn asked fewer times than the first says how many in its own cell
+    short = report.turn_section(records[:-1])   # sample 1 lost its third turn
+    assert short[4].endswith("| 100.0 [20.7, 100.0] (n=1) |")
 
 
 def test_agreement_pairs_the_same_questions_across_engines():
@@ -272,4 +282,84 @@ def test_agreement_pairs_the_same_questions_across_engines():
     assert (row["identical"], row["same_verdict"]) == (2, 3)
     lines = report.agreement_section(records)
     assert lines[0] == "## Engines on the same questions"
-    assert lines[4] == "| sekv | 25% | torch vs llama.cpp | 4 | 100.0 | 75.0 | -25.0 | 2 / 4 | 3 / 4 |"
+    assert lines[4] == ("| sekv | 25% | torch vs llama.cpp | 4 | 100.0 [51.0, 100.0] | 75.0 [30.1, 95.4] | -25.0 "
+                        "| 2 / 4 | 3 / 4 |")
+
+
+# ---------------------------------------------------------------------------- Wilson score interval
+
+Z95 = 1.959964
+
+
+def wilson_closed_form(k: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson's bounds written in counts, (k + z^2/2 -+ z sqrt(k (n - k) / n + z^2 / 4)) / (n + z^2): the same
+    interval as the library's proportion form, derived independently here to check it."""
+    root = z * math.sqrt(k * (n - k) / n + z * z / 4)
+    return (k + z * z / 2 - root) / (n + z * z), (k + z * z / 2 + root) / (n + z * z)
+
+
+@pytest.mark.parametrize("k, n", [(0, 10), (10, 10), (5, 10), (15, 18), (1, 3), (81, 263)])
+def test_wilson_matches_the_closed_formula(k, n):
+    low, high = wilson_interval(k, n)
+    want_low, want_high = wilson_closed_form(k, n)
+    assert low == pytest.approx(want_low, abs=1e-12) and high == pytest.approx(want_high, abs=1e-12)
+    assert 0.0 <= low <= k / n <= high <= 1.0
+
+
+def test_wilson_known_values():
+    # 81 of 263 at 95%: the worked example in the literature on binomial intervals, [0.2553, 0.3662]
+    low, high = wilson_interval(81, 263)
+    assert (round(low, 4), round(high, 4)) == (0.2553, 0.3662)
+    # 0 of 10: the bound is exactly 0, the other the textbook 0.2775 ("rule of three" would say 0.3)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(0, 10)[1] == pytest.approx(0.27753, abs=1e-5)
+    assert wilson_interval(10, 10) == (pytest.approx(0.72247, abs=1e-5), 1.0)
+    assert wilson_interval(5, 10) == (pytest.approx(0.23659, abs=1e-5), pytest.approx(0.76341, abs=1e-5))
+    assert wilson_interval(15, 18) == (pytest.approx(0.60778, abs=1e-5), pytest.approx(0.94163, abs=1e-5))
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_wilson_symmetry_width_and_partial_credit():
+    # k right of n mirrors n - k right
+    for k in range(8):
+        low, high = wilson_interval(k, 7)
+        mirror_low, mirror_high = wilson_interval(7 - k, 7)
+        assert low == pytest.approx(1 - mirror_high) and high == pytest.approx(1 - mirror_low)
+    # more questions, narrower interval at the same accuracy
+    widths = [high - low for low, high in (wilson_interval(n / 2, n) for n in (4, 16, 64, 256))]
+    assert widths == sorted(widths, reverse=True)
+    # fractional sums of scores (partial credit) are taken as they are, and z sets the level
+    assert wilson_interval(2.5, 4) == pytest.approx(wilson_closed_form(2.5, 4))
+    assert wilson_interval(1 / 3 + 1 / 3 + 1 / 3, 1) == (pytest.approx(0.20655, abs=1e-5), 1.0)
+    narrow, wide = wilson_interval(5, 10, z=1.0), wilson_interval(5, 10, z=2.576)
+    assert wide[0] < wilson_interval(5, 10)[0] < narrow[0]
+    for bad in ((-1, 10), (11, 10), (0, -1)):
+        with pytest.raises(ValueError):
+            wilson_interval(*bad)
+
+
+def test_fmt_accuracy_cells():
+    assert report.fmt_accuracy(5, 10) == "50.0 [23.7, 76.3] (n=10)"
+    assert report.fmt_accuracy(5, 10, with_n=False) == "50.0 [23.7, 76.3]"
+    assert report.fmt_accuracy(0, 0) == "-"
+    assert report.accuracy_interval(0, 0) == (None, None)
+
+
+def test_summary_rows_carry_the_interval_over_summed_scores():
+    # string_match_all partial credit: 1 + 0.5 + 0 + 1 = 2.5 right of 4
+    (row,) = report.summarize([rec(score=s, sample=i) for i, s in enumerate((1.0, 0.5, 0.0, 1.0))])
+    assert (row["n"], row["right"], row["accuracy"]) == (4, 2.5, 62.5)
+    low, high = wilson_closed_form(2.5, 4)
+    assert row["ci_low"] == pytest.approx(100 * low) and row["ci_high"] == pytest.approx(100 * high)
+
+
+def test_write_report_summary_shows_interval_and_n(tmp_path):
+    records = [rec(sample=i, score=float(i < 15)) for i in range(18)]           # 15 / 18 on niah 4k
+    records += [rec(task="qa", depth=None, sample=i, score=float(i < 1)) for i in range(2)]   # 1 / 2 on qa 4k
+    md = report.write_report({"config": {}, "records": records}, tmp_path)["summary"].read_text()
+    assert "| torch | full | - | niah | 4k | 18 | 83.3 | [60.8, 94.2] |" in md      # Wilson 15/18
+    pivot = _table_lines(md, 1)
+    assert pivot[0].endswith("| niah 4k | qa 4k | avg |")
+    # avg: Wilson over the 20 pooled questions of the row (16 right)
+    assert pivot[2] == ("| torch | full | - | 83.3 [60.8, 94.2] (n=18) | 50.0 [9.5, 90.5] (n=2) "
+                        "| 80.0 [58.4, 91.9] (n=20) |")
+    assert "95% Wilson score interval" in md

@@ -91,7 +91,7 @@ def test_a_free_pool_takes_the_prefill_chunks_room_at_decode_within_the_budget(p
     decode step than planned, the measured device peak still within the budget; fixed keeps the plan."""
     rope = Rope(CFG)
     n = 3000
-    sekv = create_policy("sekv", CFG, rope, budget=0.3, l_min=4, l_max=32, recent=32, pool=pool)
+    sekv = create_policy("sekv", CFG, rope, budget=0.3, l_min=4, l_max=32, recent=32, pool=pool, select="step")
     sekv.reserve(n)
     run(sekv, n, sekv.max_chunk_tokens())
     planned, spans = sekv.zoom_k, sekv.span_len.length
@@ -121,7 +121,8 @@ def test_raw_spans_are_zoomed_at_the_cache_dtype_twice_the_pool_in_the_same_byte
     n, limit = 3000, 0.3 * CFG.full_kv_bytes(3000)
     plans = {}
     for rule in ("span", "exact"):
-        sekv = create_policy("sekv", CFG, rope, budget=0.3, l_min=4, l_max=32, recent=32, rank_rule=rule)
+        sekv = create_policy("sekv", CFG, rope, budget=0.3, l_min=4, l_max=32, recent=32, rank_rule=rule,
+                             select="step")
         sekv.reserve(n)
         plans[rule] = sekv
     span, exact = plans["span"], plans["exact"]

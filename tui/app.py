@@ -571,6 +571,11 @@ class ChatApp(App[None]):
             line = f"spans   {observations['spans']:,}"
             if answer is not None:
                 line += f" · {len(zoomed)} zoomed"
+                if observations.get("pinned"):
+                    line += f" ({observations['pinned']} pinned)"
+                reads = answer.memory.get("host_reads_per_step_fraction")
+                if reads:  # what one decode step read back from the host tier
+                    line += f" · reads {100 * reads:.1f}% of full KV/token"
             spans.update(line)
         else:
             spans.update(Text(f"no zoom data: method {s.method} keeps every token (try /method sekv)", style="dim"))

@@ -31,6 +31,31 @@ def storage_bytes(*tensors: torch.Tensor | None) -> int:
 
 
 @dataclass
+class HostReads:
+    """Bytes a method gathers from its host tier, counted where it reads them (stored bytes: rows, or a
+    span's factors), since the last `reset_observations` (one answer).
+
+    step_bytes / steps: over decode steps; per step it is the PCIe traffic per token on a GPU and the
+    memory traffic per token on a CPU. question_bytes: one-time reads of a prefill after the document
+    (a question, a user turn), e.g. SeKV's question-time pass over every span.
+    """
+
+    step_bytes: int = 0
+    steps: int = 0
+    question_bytes: int = 0
+
+    def count(self, nbytes: int, decode_step: bool) -> None:
+        if decode_step:
+            self.step_bytes += int(nbytes)
+        else:
+            self.question_bytes += int(nbytes)
+
+    @property
+    def per_step(self) -> float:
+        return self.step_bytes / self.steps if self.steps else 0.0
+
+
+@dataclass
 class MemoryReport:
     """DESIGN §4 accounting, from real tensor storage.
 
@@ -47,6 +72,12 @@ class MemoryReport:
     full_kv_bytes: int
     device_per_layer: list[int] = field(default_factory=list)
     host_per_layer: list[int] = field(default_factory=list)
+    host_reads: HostReads = field(default_factory=HostReads)
+
+    @property
+    def host_reads_per_step_fraction(self) -> float:
+        """Host bytes gathered per decode step over the answer, as a share of full-KV bytes."""
+        return self.host_reads.per_step / self.full_kv_bytes if self.full_kv_bytes else 0.0
 
     @property
     def device_fraction(self) -> float:
@@ -72,6 +103,10 @@ class MemoryReport:
             "host_fraction": round(self.host_fraction, 5),
             "device_per_layer": list(self.device_per_layer),
             "host_per_layer": list(self.host_per_layer),
+            "host_reads_per_step_bytes": round(self.host_reads.per_step),
+            "host_reads_per_step_fraction": round(self.host_reads_per_step_fraction, 5),
+            "host_reads_steps": self.host_reads.steps,
+            "host_reads_question_bytes": self.host_reads.question_bytes,
         }
 
 
@@ -105,6 +140,8 @@ class CachePolicy(ABC):
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._local_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._peak_device = 0
+        self._is_prefill = True
+        self.host_reads = HostReads()
 
     # -- the engine's calls -------------------------------------------------------------------
     def begin_chunk(self, positions: torch.Tensor, is_prefill: bool) -> None:
@@ -113,6 +150,16 @@ class CachePolicy(ABC):
         self._cos_sin = self.rope.cos_sin(positions)
         self._local_cos_sin = self.rope.local.cos_sin(positions) if self.rope.local is not None else None
         self._is_prefill = is_prefill
+        self._count_step()
+
+    def _count_step(self) -> None:
+        """A chunk begins: one more decode step for the host-read average when it is one."""
+        if not self._is_prefill:
+            self.host_reads.steps += 1
+
+    def _count_host_read(self, nbytes: int) -> None:
+        """`nbytes` gathered from the host tier by the current chunk (a decode step or a prefill)."""
+        self.host_reads.count(nbytes, decode_step=not self._is_prefill)
 
     def layer_rope(self, layer: int) -> tuple[Rope, tuple[torch.Tensor, torch.Tensor]]:
         """The RoPE of `layer` and its cos/sin tables [T, rope_dim/2] for the current chunk."""
@@ -147,7 +194,8 @@ class CachePolicy(ABC):
         return self.config.context_length
 
     def reset_observations(self) -> None:
-        """Start collecting `observations()` afresh (called before each question)."""
+        """Start collecting `observations()` and host reads afresh (called before each question)."""
+        self.host_reads = HostReads()
 
     def host_bytes_needed(self, n_tokens: int) -> int:
         """Host RAM the method will hold for a context of n_tokens (an upper estimate; 0 = none)."""
@@ -203,6 +251,7 @@ class CachePolicy(ABC):
             full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
             device_per_layer=dev,
             host_per_layer=host,
+            host_reads=HostReads(**vars(self.host_reads)),
         )
 
     def observations(self) -> dict[str, Any]:

@@ -186,4 +186,4 @@ class MixedLayers(CachePolicy):
         return MemoryReport(tokens=self.n_tokens, device_bytes=sum(dev),
                             device_peak_bytes=inner.device_peak_bytes + max(self._window_peak, windows),
                             host_bytes=sum(host), full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
-                            device_per_layer=dev, host_per_layer=host)
+                            device_per_layer=dev, host_per_layer=host, host_reads=inner.host_reads)

@@ -309,6 +309,7 @@ class SentenceKVCache(CachePolicy):
         head_h = torch.arange(KV)[:, None].expand(KV, W)
         self.ws_k[layer].copy_(host_k[row_h, head_h], non_blocking=True)
         self.ws_v[layer].copy_(host_v[row_h, head_h], non_blocking=True)
+        self._count_host_read(2 * int(valid.sum()) * D * host_k.element_size())  # the valid slots' K and V rows
         return valid
 
     # -- after each chunk: start tokens out of the pending buffer, finished sentences to host ----------

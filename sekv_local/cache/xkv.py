@@ -347,6 +347,8 @@ class XkvCache(CachePolicy):
             coeff = f.a.view()[0][rows].float()  # [KV, n, r]
             block = f.b[:, j * KV * D:(j + 1) * KV * D].float().view(-1, KV, D).transpose(0, 1)  # [KV, r, D]
             out.append(coeff @ block)
+            # the host reads the rows' coefficients (each row's once, shared by the heads) and the layer's block
+            self._count_host_read((rows.unique().numel() * coeff.shape[-1] + block.numel()) * f.a.data.element_size())
         return out[0], out[1]
 
     # -- compression -------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 The benchmark stores one record per answered question in ``results.json``
 (``{"config": {...}, "records": [...]}``). This module turns those records into
 
-* :func:`summarize` - one row per (model, engine, method, budget, task, length) with accuracy,
-  memory and throughput figures;
+* :func:`summarize` - one row per (model, engine, method, budget, task, length) with accuracy (and
+  its 95% Wilson score interval), memory and throughput figures;
 * :func:`markdown_table` - the rows as a GitHub markdown table plus an accuracy-by-length pivot;
 * three plots (accuracy by length, accuracy vs measured device budget, needle-depth heat map);
 * :func:`write_report` - all of the above written into one folder with a ``summary.md``.
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .scoring import wilson_interval
 
 MIB = float(1 << 20)
 N_DEPTH_BINS = 5
@@ -87,6 +89,38 @@ def _accuracy(records: Sequence[Record]) -> float | None:
     return _mean([100.0 * float(r["score"]) for r in records])
 
 
+def _right(records: Sequence[Record]) -> float:
+    """Sum of the per-question scores: partial credit counts as its fraction of a right answer."""
+    return float(sum(float(r["score"]) for r in records))
+
+
+def accuracy_interval(right: float, n: int) -> tuple[float, float] | tuple[None, None]:
+    """95% Wilson score interval in percent for ``right`` (sum of scores) of ``n`` questions;
+    ``(None, None)`` when there are no questions, so tables print ``-`` rather than a vacuous 0-100."""
+    if n <= 0:
+        return None, None
+    low, high = wilson_interval(right, n)
+    return 100.0 * low, 100.0 * high
+
+
+def fmt_interval(low: float | None, high: float | None, digits: int = 1) -> str:
+    """``"[66.1, 92.7]"``, or ``"-"`` when the interval is unknown."""
+    if low is None or high is None:
+        return "-"
+    return f"[{_fmt_num(low, digits)}, {_fmt_num(high, digits)}]"
+
+
+def fmt_accuracy(right: float, n: int, with_n: bool = True, digits: int = 1) -> str:
+    """An accuracy cell: ``"83.3 [66.1, 92.7] (n=20)"`` (percent, 95% Wilson interval, questions).
+
+    ``right`` is the sum of per-question scores. ``with_n=False`` drops ``(n=...)`` for tables that
+    already have an ``n`` column. No questions -> ``"-"``."""
+    if n <= 0:
+        return "-"
+    cell = f"{_fmt_num(100.0 * right / n, digits)} {fmt_interval(*accuracy_interval(right, n), digits=digits)}"
+    return f"{cell} (n={n})" if with_n else cell
+
+
 def _device_pct(records: Sequence[Record], field: str = "device_bytes") -> float | None:
     """Mean of ``field / full_kv_bytes`` in percent (records without a full-KV size are skipped)."""
     return _mean([100.0 * r[field] / r["full_kv_bytes"] for r in records if r.get("full_kv_bytes")])
@@ -117,23 +151,33 @@ def _models(records: Iterable[Record]) -> list[str]:
 def summarize(records: list[Record]) -> list[dict]:
     """One row per (model, engine, method, budget, task, length), sorted (full KV first per engine).
 
-    Row keys: the six group keys plus ``n``, ``accuracy`` (% mean score), ``device_mib``,
+    Row keys: the six group keys plus ``n``, ``accuracy`` (% mean score), ``right`` (sum of the
+    scores, fractional with partial credit), ``ci_low`` and ``ci_high`` (95% Wilson score interval of
+    the accuracy, in %, see :func:`~sekv_local.eval.scoring.wilson_interval`), ``device_mib``,
     ``device_pct`` and ``peak_pct`` (mean device / peak device bytes as % of full-KV bytes),
-    ``host_mib``, ``prefill_tps`` and ``decode_tps`` (sum tokens / sum seconds, ignoring records
+    ``host_mib``, ``reads_pct`` (mean host bytes gathered per decode step as % of full-KV bytes; None for
+    records written before it was measured), ``prefill_tps`` and ``decode_tps`` (sum tokens / sum seconds, ignoring records
     whose time for that phase is 0). Figures that cannot be computed are ``None``.
     """
     groups = _group(records, GROUP_KEYS)
     rows = []
     for key in sorted(groups, key=_sort_key):
         g = groups[key]
+        right = _right(g)
+        ci_low, ci_high = accuracy_interval(right, len(g))
         rows.append(dict(
             zip(GROUP_KEYS, key),
             n=len(g),
             accuracy=_accuracy(g),
+            right=right,
+            ci_low=ci_low,
+            ci_high=ci_high,
             device_mib=_mean([r["device_bytes"] / MIB for r in g]),
             device_pct=_device_pct(g, "device_bytes"),
             peak_pct=_device_pct(g, "device_peak_bytes"),
             host_mib=_mean([r["host_bytes"] / MIB for r in g]),
+            reads_pct=_device_pct(g, "host_reads_per_step_bytes") if all("host_reads_per_step_bytes" in r for r in g)
+            else None,
             prefill_tps=_throughput(g, "prefill"),
             decode_tps=_throughput(g, "decode"),
         ))
@@ -149,48 +193,68 @@ def _md_table(header: Sequence[str], body: Sequence[Sequence[str]], right_from: 
     return [_md_row(header), "|" + "|".join(align) + "|", *(_md_row(r) for r in body)]
 
 
-def accuracy_pivot(rows: list[dict]) -> tuple[list[tuple], list[tuple], dict[tuple, dict[tuple, float]]]:
-    """Pivot summary rows: (series keys, (task, length) columns, {series: {column: accuracy}}).
-
-    A series is (model, engine, method, budget)."""
-    cells: dict[tuple, dict[tuple, float]] = defaultdict(dict)
+def _pivot(rows: list[dict]) -> tuple[list[tuple], list[tuple], dict[tuple, dict[tuple, dict]]]:
+    """Pivot summary rows: (series keys, (task, length) columns, {series: {column: summary row}})."""
+    cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     for row in rows:
         if row["accuracy"] is not None:
-            cells[tuple(row[k] for k in SERIES_KEYS)][(row["task"], row["length"])] = row["accuracy"]
+            cells[tuple(row[k] for k in SERIES_KEYS)][(row["task"], row["length"])] = row
     series = sorted(cells, key=_sort_key)
     columns = sorted({c for v in cells.values() for c in v})
     return series, columns, dict(cells)
 
 
+def accuracy_pivot(rows: list[dict]) -> tuple[list[tuple], list[tuple], dict[tuple, dict[tuple, float]]]:
+    """Pivot summary rows: (series keys, (task, length) columns, {series: {column: accuracy}}).
+
+    A series is (model, engine, method, budget)."""
+    series, columns, cells = _pivot(rows)
+    return series, columns, {s: {c: row["accuracy"] for c, row in by_col.items()} for s, by_col in cells.items()}
+
+
+INTERVAL_NOTE = ("Accuracy intervals are 95% Wilson score intervals over the questions of a cell; a question "
+                 "with partial credit (some of several needles) counts as its fraction of a right answer.")
+
+
 def markdown_table(rows: list[dict], title: str | None = None) -> str:
-    """Summary rows as GitHub markdown: the full table, then a compact "accuracy by length" pivot
-    (one row per engine/method/budget, a column per task and length, plus ``avg`` = mean of the
-    row's cells). A ``model`` column appears only when the rows hold more than one model."""
+    """Summary rows as GitHub markdown: the full table (with a ``95% CI`` column next to the
+    accuracy), then a compact "accuracy by length" pivot (one row per engine/method/budget, a column
+    per task and length, plus ``avg``), whose cells read ``accuracy [95% CI] (n=questions)``.
+
+    ``avg`` pools every question of the row (sum of scores / questions, Wilson interval over all of
+    them), so it weights each cell by its question count; with equal counts per cell it is the plain
+    mean of the cells. A ``model`` column appears only when the rows hold more than one model."""
     multi = len({r["model"] for r in rows}) > 1
     lead = ["model"] if multi else []
-    header = lead + ["engine", "method", "budget", "task", "length", "n", "accuracy", "device MiB",
-                     "device %", "peak %", "host MiB", "prefill tok/s", "decode tok/s"]
+    header = lead + ["engine", "method", "budget", "task", "length", "n", "accuracy", "95% CI", "device MiB",
+                     "device %", "peak %", "host MiB", "reads/step %", "prefill tok/s", "decode tok/s"]
     body = [([r["model"]] if multi else [])
             + [r["engine"], r["method"], fmt_budget(r["budget"]), r["task"], fmt_length(r["length"]),
-               str(r["n"]), _fmt_num(r["accuracy"]), _fmt_num(r["device_mib"]), _fmt_num(r["device_pct"]),
-               _fmt_num(r["peak_pct"]), _fmt_num(r["host_mib"]), _fmt_num(r["prefill_tps"]),
+               str(r["n"]), _fmt_num(r["accuracy"]), fmt_interval(r.get("ci_low"), r.get("ci_high")),
+               _fmt_num(r["device_mib"]), _fmt_num(r["device_pct"]),
+               _fmt_num(r["peak_pct"]), _fmt_num(r["host_mib"]), _fmt_num(r.get("reads_pct")),
+               _fmt_num(r["prefill_tps"]),
                _fmt_num(r["decode_tps"])]
             for r in rows]
     lines = [f"## {title}", ""] if title else []
     lines += _md_table(header, body, right_from=len(lead) + 5)
 
-    series, columns, cells = accuracy_pivot(rows)
+    series, columns, cells = _pivot(rows)
     if series:
         p_header = lead + ["engine", "method", "budget"] + [f"{t} {fmt_length(n)}" for t, n in columns] + ["avg"]
         p_body = []
         for s in series:
             model, engine, method, budget = s
-            values = [cells[s].get(c) for c in columns]
-            present = [v for v in values if v is not None]
+            present = cells[s]
+            # rows built without ``right`` (not by summarize) still carry accuracy and n
+            right = {c: r.get("right", r["accuracy"] * r["n"] / 100.0) for c, r in present.items()}
             p_body.append(([model] if multi else []) + [engine, method, fmt_budget(budget)]
-                          + [_fmt_num(v) for v in values] + [_fmt_num(_mean(present))])
-        lines += ["", "### Accuracy by length (%)", ""]
+                          + [fmt_accuracy(right[c], present[c]["n"]) if c in present else "-" for c in columns]
+                          + [fmt_accuracy(sum(right.values()), sum(r["n"] for r in present.values()))])
+        lines += ["", "### Accuracy by length (%)", "",
+                  "Each cell: accuracy % [95% CI] (n = questions); avg pools all questions of the row.", ""]
         lines += _md_table(p_header, p_body, right_from=len(lead) + 3)
+    lines += ["", INTERVAL_NOTE]
     return "\n".join(lines) + "\n"
 
 
@@ -398,10 +462,12 @@ def turn_section(records: list[Record]) -> list[str]:
     for key in sorted(groups, key=_sort_key):
         _, engine, method, budget, task, length = key
         by_turn = _group(groups[key], ["turn"])
-        cells = [_fmt_num(_accuracy(by_turn[(t,)])) if (t,) in by_turn else "-" for t in turns]
         n = len(by_turn.get((turns[0],), []))
+        # the n column is the first turn's; a turn asked fewer (or more) times says so in its cell
+        cells = [fmt_accuracy(_right(by_turn[(t,)]), len(by_turn[(t,)]), with_n=len(by_turn[(t,)]) != n)
+                 if (t,) in by_turn else "-" for t in turns]
         body.append([engine, method, fmt_budget(budget), task, fmt_length(length), str(n), *cells])
-    header = ["engine", "method", "budget", "task", "length", "n"] + [f"turn {t + 1} %" for t in turns]
+    header = ["engine", "method", "budget", "task", "length", "n"] + [f"turn {t + 1} % [95% CI]" for t in turns]
     return ["## Accuracy by conversation turn", "", *_md_table(header, body, right_from=5), ""]
 
 
@@ -418,8 +484,9 @@ def _paired_by_engine(records: Sequence[Record]) -> dict[tuple, dict[str, Record
 
 def engine_agreement(records: Sequence[Record]) -> list[dict]:
     """Engines compared on the questions both answered: one row per (model, method, budget, engine A,
-    engine B) with ``n`` questions, ``accuracy_a``/``accuracy_b`` (%) on those questions, ``identical``
-    (same answer text) and ``same_verdict`` (same score). Empty when no question went to two engines."""
+    engine B) with ``n`` questions, ``accuracy_a``/``accuracy_b`` (%) on those questions, ``right_a``/``right_b``
+    (sums of scores), ``identical`` (same answer text) and ``same_verdict`` (same score). Empty when no
+    question went to two engines."""
     run_order = list(dict.fromkeys(r["engine"] for r in records))
     groups: dict[tuple, list[tuple[Record, Record]]] = defaultdict(list)
     for key, by_engine in _paired_by_engine(records).items():
@@ -435,6 +502,7 @@ def engine_agreement(records: Sequence[Record]) -> list[dict]:
     for (model, method, budget, a, b), pairs in sorted(groups.items(), key=lambda kv: order(kv[0])):
         rows.append(dict(model=model, method=method, budget=budget, engine_a=a, engine_b=b, n=len(pairs),
                          accuracy_a=_accuracy([p[0] for p in pairs]), accuracy_b=_accuracy([p[1] for p in pairs]),
+                         right_a=_right([p[0] for p in pairs]), right_b=_right([p[1] for p in pairs]),
                          identical=sum(p[0].get("prediction") == p[1].get("prediction") for p in pairs),
                          same_verdict=sum(float(p[0]["score"]) == float(p[1]["score"]) for p in pairs)))
     return rows
@@ -446,11 +514,13 @@ def agreement_section(records: list[Record]) -> list[str]:
     if not rows:
         return []
     body = [[r["method"], fmt_budget(r["budget"]), f"{r['engine_a']} vs {r['engine_b']}", str(r["n"]),
-             _fmt_num(r["accuracy_a"]), _fmt_num(r["accuracy_b"]),
+             fmt_accuracy(r["right_a"], r["n"], with_n=False), fmt_accuracy(r["right_b"], r["n"], with_n=False),
              _fmt_num(None if r["accuracy_a"] is None else r["accuracy_b"] - r["accuracy_a"]),
              f"{r['identical']} / {r['n']}", f"{r['same_verdict']} / {r['n']}"] for r in rows]
-    header = ["method", "budget", "engines (A vs B)", "questions", "A %", "B %", "B - A", "identical answers",
-              "same verdict"]
+    # no interval on B - A: the engines answered the same questions, so the two intervals are not
+    # independent and their overlap says little; a paired test would be the right tool
+    header = ["method", "budget", "engines (A vs B)", "questions", "A % [95% CI]", "B % [95% CI]", "B - A",
+              "identical answers", "same verdict"]
     return ["## Engines on the same questions", "", *_md_table(header, body, right_from=3), ""]
 
 

@@ -172,6 +172,7 @@ def run_sample(engine: Engine, sample: Sample, settings: SessionSettings, model_
             "decode_s": answer.decode_s, "decode_tokens": answer.n_tokens,
             "device_bytes": mem["device_bytes"], "device_peak_bytes": mem["device_peak_bytes"],
             "host_bytes": mem["host_bytes"], "full_kv_bytes": mem["full_kv_bytes"],
+            "host_reads_per_step_bytes": mem.get("host_reads_per_step_bytes", 0),
             **({"engine_notes": list(engine.notices)} if engine.notices else {}),
             **({"ingest_shared_from": adopt_from.settings.engine} if adopt_from is not None else {}),
         })

@@ -51,6 +51,8 @@ class MemoryExport:
 
 def supported(cache: SekvCache) -> str | None:
     """Why the native engine cannot run this memory (None: it can)."""
+    if cache.cfg.select != "step":
+        return "question-time selection (select=question; the native engine decodes with select=step)"
     if cache.cfg.share_layers != 1:
         return "span factors shared across layers (sekv+xkv)"
     if cache.router_kind not in ("attention", "projection"):

@@ -15,6 +15,8 @@ ROUTERS = ("auto", "projection", "attention", "bounds", "union")
 #: what `router=auto` runs once a trained router is loaded: its file names one ("projection" when it does not)
 AUTO_ROUTERS = ("projection", "union")
 POOLS = ("auto", "fixed", "free")
+SELECTIONS = ("question", "step")
+PIN_SCORES = ("max", "last", "mean")  # sekv/question.py: question_span_score
 #: what `pool=auto` runs once a trained router is loaded: its file names one ("fixed" when it does not)
 AUTO_POOLS = ("fixed", "free")
 #: the options whose "auto" a trained router's file settles: option -> (the file's info key, choices; the
@@ -49,6 +51,17 @@ class SekvConfig:
         bytes of full KV, rebuilt at `dtype` (the values as stored; factored spans are rebuilt in float32), so
         the same device bytes hold twice the zoom pool (see RESULTS "Gemma 3"); "auto": what the trained
         router's file names ("span" when it names nothing or there is none).
+    select: what a decode step reads back. "question": when a question (any prefill after the document)
+        arrives, its tokens attend exactly over every span's rows (one pass over the host tier), and the spans
+        holding most of its attention mass, per layer, are pinned on the device for the answer (as many rows
+        as the device budget leaves free); each decode step adds `read_budget`'s worth of routed spans beside
+        them. "step" (the default until fresh-seed measurements settle the choice): every decode step routes and
+        rebuilds its whole zoom pool.
+    pin_score: how select=question ranks spans by the question's attention: the most any head gives a span from
+        any question token ("max"), from the question's last token ("last"), or averaged over its tokens ("mean").
+    read_budget: host bytes a decode step may gather (routed spans' stored rows or factors): a fraction of the
+        full-KV bytes (float <= 1) or bytes (int); "auto": 0.05 with select=question, unbounded with
+        select=step. Caps the routed pool of a decode step; prefill chunks keep the device-sized pool.
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
     router: "auto" ("projection" when trained router parameters are loaded, else "attention"),
@@ -84,6 +97,9 @@ class SekvConfig:
     energy: float = 0.999
     max_rank: int = 32
     rank_rule: str = "auto"
+    select: str = "step"
+    pin_score: str = "max"
+    read_budget: float | int | str = "auto"
     routing_dim: int = 32
     threshold: float = 0.05
     router: str = "auto"
@@ -109,6 +125,11 @@ class SekvConfig:
         need(0 < self.energy <= 1, "energy must be in (0, 1]")
         need(self.max_rank >= 1, "max_rank must be >= 1")
         need(self.rank_rule in RANK_RULES, f"rank_rule must be one of {RANK_RULES}")
+        need(self.select in SELECTIONS, f"select must be one of {SELECTIONS}")
+        need(self.pin_score in PIN_SCORES, f"pin_score must be one of {PIN_SCORES}")
+        need(self.read_budget == "auto" or (isinstance(self.read_budget, float) and 0 < self.read_budget <= 1)
+             or (isinstance(self.read_budget, int) and not isinstance(self.read_budget, bool) and self.read_budget > 0),
+             "read_budget must be 'auto', a fraction in (0, 1] or a positive number of bytes")
         need(self.routing_dim >= 2 and self.routing_dim % 2 == 0, "routing_dim must be an even number >= 2")
         need(0 < self.threshold < 1, "threshold must be in (0, 1)")
         need(self.share_layers >= 1, "share_layers must be >= 1")

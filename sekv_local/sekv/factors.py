@@ -145,6 +145,23 @@ class FactorStore:
             out[fac] = U @ W[fac, : jf.numel()]
         return out
 
+    def stored_bytes(self, heads: torch.Tensor, spans: torch.Tensor, lengths: torch.Tensor,
+                     width: int | None = None) -> int:
+        """Host bytes a rebuild of these (head, span) pairs [n] reads: a raw span's rows, or a factored span's U
+        [L, r] and W [r, width] (width: the features read, head_dim unless a shared store is read in part)."""
+        if spans.numel() == 0:
+            return 0
+        spans = spans.cpu()
+        r = self.rank.view()[spans]
+        L = lengths.cpu()[spans]
+        w = self.head_dim if width is None else int(width)
+        values = torch.where(self.raw.view()[spans], r * w, L * r + r * w)
+        return int(values.sum()) * self.w.data.element_size()
+
+    def all_bytes(self) -> int:
+        """Host bytes of every stored span (what one pass over the whole store reads)."""
+        return (self.u.length + self.w.length) * self.w.data.element_size()
+
     def truncate(self, n_spans: int) -> None:
         """Forget spans from index n_spans on."""
         if n_spans >= self.n_spans:

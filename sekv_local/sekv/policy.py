@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..cache.attention import gqa_attention
+from ..cache.attention import attention_with_lse, gqa_attention, merge_attention
 from ..cache.base import CachePolicy, register_policy, storage_bytes
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
@@ -25,6 +25,7 @@ from ..models.rope import Rope
 from .buffers import RowBuffer, VecBuffer
 from .config import FILE_CHOICES, SekvConfig
 from .factors import FactorStore
+from .question import PinnedRows, block_attention_with_span_lse, pick_spans, question_span_score
 from .router import Router, bound_scores, key_bounds
 from .segmentation import RunningStats, segment, token_surprisal
 
@@ -35,6 +36,10 @@ _ZOOM_LADDER = (1, 2, 4)  # divisors of zoom_k tried when the budget is tight (a
 _AUTO_MIN_ZOOM = 16  # "auto" zoom: coarser spans are tried while the pool would hold fewer spans than this
 _ROW_STEP = 16  # growth step of the device row buffers: their slack counts against the budget
 _POSITION_MARGIN = 64  # "bounded": far memory sits this far inside the trained window
+#: read_budget "auto" with select=question: host bytes a decode step may gather, as a share of full KV
+AUTO_READ_BUDGET = 0.05
+#: answer tokens whose new span summaries and anchors the question-time pins leave room for
+_ANSWER_ROOM = 256
 #: how far below every relevance logit the zoom thresholds go when the learned router fills the pool
 FILL_THRESHOLD = 1e30
 
@@ -102,6 +107,11 @@ class SekvCache(CachePolicy):
         self._step_zoom_k = 0  # this step's pool (the planned one, or more with pool=free)
         self._shift = 0
         self._zoom_bytes = 0
+        self._doc_read = False  # the document is in; a later prefill is a question (select=question)
+        self._question = False  # this chunk is a question's: exact attention over every span, then pins
+        self._pins: list[PinnedRows | None] = [None] * config.n_layers
+        self._question_mass: list[torch.Tensor | None] = [None] * config.n_layers  # per layer [S]
+        self._question_block = 1
         self.planned_tokens = config.context_length
         self._plan()
 
@@ -140,6 +150,29 @@ class SekvCache(CachePolicy):
         self._plan()
 
     def _plan(self) -> None:
+        self._plan_pool()
+        self.step_slots = self._read_budget_slots()
+
+    def read_budget_bytes(self) -> int | None:
+        """Host bytes a decode step may gather (None: unbounded)."""
+        budget = self.cfg.read_budget
+        if budget == "auto":
+            budget = AUTO_READ_BUDGET if self.cfg.select == "question" else None
+        if budget is None:
+            return None
+        return int(budget * self.config.full_kv_bytes(self.planned_tokens)) if isinstance(budget, float) else int(budget)
+
+    def _read_budget_slots(self) -> int:
+        """Spans a decode step may route and rebuild per layer and KV head: the planned pool, capped by the
+        read budget at the worst case of a span (l_max raw rows of K and V at the cache dtype)."""
+        read = self.read_budget_bytes()
+        if read is None:
+            return self.zoom_k
+        c = self.config
+        per_slot = c.n_layers * c.n_kv_heads * 2 * self.l_max * c.head_dim * _DTYPES[self.cfg.dtype].itemsize
+        return int(min(self.zoom_k, read // per_slot))
+
+    def _plan_pool(self) -> None:
         cfg, c = self.cfg, self.config
         full = c.full_kv_bytes(self.planned_tokens)
         self.budget_bytes = int(self.budget_spec * full) if isinstance(self.budget_spec, float) else int(self.budget_spec)
@@ -216,7 +249,40 @@ class SekvCache(CachePolicy):
             self._shift = max(0, int(positions.max()) + 1 + _POSITION_MARGIN - self.config.context_length)
         self._q_cos_sin = self.rope.cos_sin(positions - self._shift)
         self._k_cos_sin = self._q_cos_sin if self._shift == 0 else self.rope.cos_sin(positions)
+        self._count_step()
+        self._question = self.cfg.select == "question" and is_prefill and self._doc_read and self.span_len.length > 0
+        if self._question:
+            self._begin_question(int(positions.shape[0]))
         self._step_zoom_k = self.zoom_k if not self.free_pool else self._free_zoom_k(int(positions.shape[0]))
+        if not is_prefill and self.cfg.select == "question":
+            self._step_zoom_k = min(self._step_zoom_k, self.step_slots)
+
+    def _begin_question(self, n_new: int) -> None:
+        """A question arrives: drop the previous answer's pins; its pass rebuilds spans in blocks that fit the
+        device room left after the pending rows grow by the question (the planned pool at least)."""
+        self._pins = [None] * self.config.n_layers
+        free = self.budget_bytes - self.device_bytes_now() - self._pending_growth(n_new)
+        n_spans = self.span_len.length
+        block = n_spans if self.zoom_pool_bytes(n_spans) <= free else max(free, 0) // self.zoom_pool_bytes(1)
+        self._question_block = int(max(block, min(self.zoom_k, n_spans), 1))
+
+    def _pending_growth(self, n_new: int) -> int:
+        """Device bytes the pending rows grow by when n_new tokens arrive (they grow in whole steps)."""
+        pend = self.layers[0].pend_k
+        need = pend.length + n_new
+        return max(-(-need // pend.step) * pend.step - pend.data.shape[1], 0) * (self.token_bytes + 4)
+
+    def _pin_room(self) -> int:
+        """Pinned rows per layer the device budget holds for an answer: the room after what the tensors hold
+        now, the pending rows' growth until the answer's first compression, the summaries and anchors of
+        an answer, and a decode step's routed pool."""
+        c = self.config
+        answer = math.ceil(_ANSWER_ROOM / max(self.l_min, 1)) * self.span_bytes \
+            + int(self.cfg.anchor_fraction * _ANSWER_ROOM) * self.token_bytes
+        free = self.budget_bytes - self.device_bytes_now() - self._pending_growth(self.l_max + _ROW_STEP) - answer \
+            - self.zoom_pool_bytes(self.step_slots)
+        row = 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8  # K, V and a position
+        return int(max(free, 0) // (c.n_layers * row))
 
     def _free_zoom_k(self, n_new: int) -> int:
         """pool=free: the spans this step can rebuild within the budget, from the bytes the device tensors
@@ -270,6 +336,14 @@ class SekvCache(CachePolicy):
         causal = torch.where(pend_pos[None, :] <= pos_q[:, None], 0.0, float("-inf"))  # [T, P]
         biases.append(causal[None].expand(KV, T, -1))
 
+        if self._question:
+            return self._attend_question(layer, L, q_rot, keys, values, biases)
+        pins = self._pins[layer]
+        if pins is not None:
+            keys.append(self._placed(pins.k, pins.pos))
+            values.append(pins.v.float())
+            biases.append(torch.zeros(KV, 1, pins.pos.shape[0]))
+
         n_spans = self.span_len.length
         if n_spans:
             lengths = self.span_len.view()
@@ -280,9 +354,12 @@ class SekvCache(CachePolicy):
             if self.cfg.summary_bias != 1.0:
                 span_bias = span_bias * self.cfg.summary_bias if self.cfg.summary_bias > 0 \
                     else torch.full_like(span_bias, float("-inf"))
-            k_zoom = min(self._step_zoom_k, n_spans)
+            pinned = None if pins is None else pins.mask_for(n_spans)
+            if pinned is not None:  # pinned spans are attended at full resolution: their coarse rows go out
+                span_bias = torch.where(pinned[None, None, :], float("-inf"), span_bias)
+            k_zoom = min(self._step_zoom_k, n_spans - (0 if pinned is None else int(pinned.sum())))
             if k_zoom:
-                chosen = self._route(layer, q, q_rot, sum_k, L, log_len, k_zoom)  # [KV, k], -1 = unused
+                chosen = self._route(layer, q, q_rot, sum_k, L, log_len, k_zoom, pinned)  # [KV, k], -1 = unused
                 valid = chosen >= 0
                 chosen_c = chosen.clamp_min(0)
                 zoomed = torch.zeros(KV, n_spans, dtype=torch.long).scatter_add_(1, chosen_c, valid.long()) > 0
@@ -303,15 +380,20 @@ class SekvCache(CachePolicy):
         return gqa_attention(q_rot, key_all, value_all, bias=bias)
 
     def _route(self, layer: int, q: torch.Tensor, q_rot: torch.Tensor, sum_k_rot: torch.Tensor, L: _Layer,
-               log_len: torch.Tensor, k_zoom: int) -> torch.Tensor:
-        """Spans to rebuild per KV head [KV, k] (-1 where fewer pass the threshold)."""
+               log_len: torch.Tensor, k_zoom: int, exclude: torch.Tensor | None = None) -> torch.Tensor:
+        """Spans to rebuild per KV head [KV, k] (-1 where fewer pass the threshold); spans in `exclude` [S]
+        (pinned ones) are never picked."""
         H, KV = q.shape[0], self.config.n_kv_heads
         G = H // KV
+        if exclude is not None:  # an excluded span's log-length is -inf: every rule below scores it -inf
+            log_len = torch.where(exclude, float("-inf"), log_len)
         if self._bounds:
             # Quest-style upper bound of q.k over the span's tokens at their original positions
             q_own = self.rope.apply(q, self._positions, self._k_cos_sin) if self._shift else q_rot
             bound = bound_scores(q_own, L.bound_k.view().repeat_interleave(G, dim=0))  # [H, T, S]
             score = bound.view(KV, G, -1, bound.shape[-1]).amax(dim=(1, 2))
+            if exclude is not None:
+                score = score.masked_fill(exclude, float("-inf"))
             return torch.topk(score, k_zoom, dim=-1).indices
         if self.router_kind in ("attention", "union"):
             logits = q_rot @ sum_k_rot.repeat_interleave(G, dim=0).transpose(1, 2) / math.sqrt(q.shape[-1])
@@ -345,21 +427,91 @@ class SekvCache(CachePolicy):
         spans = chosen.reshape(-1).cpu()
         lengths = self.span_len.view()
         dt = self.zoom_dtype
+        read = valid.reshape(-1).cpu()  # unused slots read nothing
         if self.cfg.share_layers == 1:
             zk = L.fac_k.rebuild(heads, spans, lengths, pad).to(self.device, dt).view(KV, k * pad, -1)
             zv = L.fac_v.rebuild(heads, spans, lengths, pad).to(self.device, dt).view(KV, k * pad, -1)
+            self._count_host_read(L.fac_k.stored_bytes(heads[read], spans[read], lengths)
+                                  + L.fac_v.stored_bytes(heads[read], spans[read], lengths))
         else:  # the layer's columns of the window's shared factors: features are (layer, head, dim)
             D = self.config.head_dim
             columns = (L.slot * KV + heads) * D
             one = torch.zeros_like(heads)
             zk = L.fac_k.rebuild(one, spans, lengths, pad, columns, D).to(self.device, dt).view(KV, k * pad, -1)
             zv = L.fac_v.rebuild(one, spans, lengths, pad, columns, D).to(self.device, dt).view(KV, k * pad, -1)
+            self._count_host_read(L.fac_k.stored_bytes(one[read], spans[read], lengths, D)
+                                  + L.fac_v.stored_bytes(one[read], spans[read], lengths, D))
         t = torch.arange(pad, device=self.device)
         span_start = self.span_pos.view()[chosen]  # [KV, k]
         zpos = (span_start[..., None] + t).view(KV, k * pad)
         ok = (t[None, None, :] < lengths[chosen][..., None]) & valid[..., None]
         zbias = torch.where(ok, 0.0, float("-inf")).view(KV, k * pad)
         return zk, zv, zpos, zbias
+
+    # -- question-time selection ---------------------------------------------------------------------
+    def _attend_question(self, layer: int, L: _Layer, q_rot: torch.Tensor, keys: list[torch.Tensor],
+                         values: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+        """A question's chunk attends exactly over everything: device rows (`keys`, `values`, `biases`: exact
+        and pending rows) and every span's rows, rebuilt from the host tier in blocks of spans (a bounded
+        device working set; the blocks' softmaxes are merged into one). The attention mass each span gets
+        from the question ranks the spans this layer pins for the answer. q_rot [H, T, D] -> [H, T, D]."""
+        KV, T = self.config.n_kv_heads, q_rot.shape[1]
+        bias = torch.cat([b.expand(KV, T, -1) for b in biases], dim=2)
+        parts = [attention_with_lse(q_rot, torch.cat(keys, dim=1), torch.cat(values, dim=1), bias=bias)]
+        span_lse = []
+        n_spans = self.span_len.length
+        for first in range(0, n_spans, self._question_block):  # a few blocks: the device room bounds them
+            ids = torch.arange(first, min(first + self._question_block, n_spans), device=self.device)
+            chosen = ids[None, :].expand(KV, -1)
+            zk, zv, zpos, zbias = self._rebuild(L, chosen, torch.ones_like(chosen, dtype=torch.bool))
+            self._zoom_bytes = max(self._zoom_bytes, storage_bytes(zk, zv))
+            out, lse, per_span = block_attention_with_span_lse(q_rot, self._rope(zk, zpos), zv, zbias, ids.numel())
+            parts.append((out, lse))
+            span_lse.append(per_span)
+        total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # [H, T]
+        mass = question_span_score(torch.exp(torch.cat(span_lse, dim=-1) - total[..., None]), self.cfg.pin_score)
+        before = self._question_mass[layer]  # a question longer than one chunk: its best mass per span
+        self._question_mass[layer] = mass if before is None else torch.maximum(before, mass)
+        return merge_attention(parts)
+
+    def _pin_question(self) -> None:
+        """The question is read: its pass's blocks are gone, and the pending rows give back the prefill chunk's
+        room; pin, per layer, the spans with the most question mass in the rows that room holds."""
+        for buf in (self.pend_pos, self.pend_surprisal, *(b for L in self.layers for b in (L.pend_k, L.pend_v))):
+            buf.shrink()
+        rows = self._pin_room()
+        for layer, L in enumerate(self.layers):
+            mass = self._question_mass[layer]
+            if mass is not None:
+                self._pin(layer, L, pick_spans(mass, self.span_len.view()[: mass.shape[0]], rows))
+        self._question_mass = [None] * self.config.n_layers
+        self._note_peak()
+
+    def _pinned_fold_fits(self, n_rows: int) -> bool:
+        """Whether the pins can take n_rows more rows on every layer (the tokens a fold turns into spans during
+        an answer) beside a decode step's routed pool, within the device budget."""
+        if all(p is None for p in self._pins):
+            return False
+        c = self.config
+        row = 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
+        need = self.device_bytes_now() + c.n_layers * n_rows * row + self.zoom_pool_bytes(self.step_slots)
+        return need <= self.budget_bytes
+
+    def _pin(self, layer: int, L: _Layer, take: torch.Tensor) -> None:
+        """Keep the rows of spans `take` [n] on the device for the answer (the same spans for all KV heads of
+        `layer`); their coarse summary rows leave attention while they are pinned."""
+        if take.numel() == 0:
+            self._pins[layer] = None
+            return
+        KV = self.config.n_kv_heads
+        chosen = take[None, :].expand(KV, -1)
+        zk, zv, zpos, zbias = self._rebuild(L, chosen, torch.ones_like(chosen, dtype=torch.bool))
+        real = torch.isfinite(zbias[0])  # padding rows of short spans
+        dt = _DTYPES[self.cfg.dtype]
+        pos = zpos[0, real]
+        mask = torch.zeros(self.span_len.length, dtype=torch.bool, device=self.device)
+        mask[take] = True
+        self._pins[layer] = PinnedRows(self._rotate(zk[:, real], pos).to(dt), zv[:, real].to(dt), pos, mask)
 
     # -- after each chunk: surprisal, then compress what left the recent window -------------------
     def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
@@ -372,7 +524,8 @@ class SekvCache(CachePolicy):
         # every layer has appended this chunk; at most one layer's rebuilt rows exist at a time
         self._note_peak(extra=self._zoom_bytes)
         self._zoom_bytes = 0
-        if self.pend_pos.length - self.recent >= self.l_max:
+        # a question's chunk folds nothing: what it saw exact stays exact until its pins are chosen
+        if self.pend_pos.length - self.recent >= self.l_max and not self._question:
             self._compress()
         self._note_peak()
 
@@ -397,6 +550,7 @@ class SekvCache(CachePolicy):
         centers = pos[seg.span_start] + seg.span_len // 2
         unrotate = self.rope.cos_sin(-pos)
         window_rows: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # sekv+xkv: the window's spans
+        keep_pinned = self._pinned_fold_fits(seg.consumed - int(seg.anchors.numel()))
         for layer_no, layer in enumerate(self.layers):
             if self._bounds:
                 layer.bound_k.append(key_bounds(layer.pend_k.view()[:, idx].float(), in_span))  # own positions
@@ -419,6 +573,14 @@ class SekvCache(CachePolicy):
                 window_rows = ([], [])
             layer.exact_k.append(layer.pend_k.view()[:, seg.anchors])
             layer.exact_v.append(layer.pend_v.view()[:, seg.anchors])
+            pins = self._pins[layer_no] if keep_pinned else None
+            if pins is not None:  # rows the question saw exact stay exact for its answer: pinned, not folded
+                rows = torch.ones(seg.consumed, dtype=torch.bool, device=self.device)
+                rows[seg.anchors] = False
+                self._pins[layer_no] = pins.extended(layer.pend_k.view()[:, :seg.consumed][:, rows],
+                                                     layer.pend_v.view()[:, :seg.consumed][:, rows],
+                                                     pos[:seg.consumed][rows], self.span_len.length,
+                                                     int(seg.span_len.numel()))
             layer.pend_k.drop_front(seg.consumed)
             layer.pend_v.drop_front(seg.consumed)
         self.exact_pos.append(pos[seg.anchors])
@@ -487,9 +649,14 @@ class SekvCache(CachePolicy):
 
     def finish_prefill(self) -> None:
         """Fold whatever left the recent window so the device tier is back to steady state; with
-        pool=free the pending buffers give back the prefill chunk's room for the zoom pool to use."""
-        if self.pend_pos.length > self.recent:
+        pool=free the pending buffers give back the prefill chunk's room for the zoom pool to use. After a
+        question (select=question) the document's tail stays exact: its pins were chosen with it exact."""
+        question = self._doc_read and self.cfg.select == "question"
+        if self.pend_pos.length > self.recent and not question:
             self._compress()
+        if question:
+            self._pin_question()
+        self._doc_read = True
         if self.free_pool:
             for buf in (self.pend_pos, self.pend_surprisal, *(b for L in self.layers for b in (L.pend_k, L.pend_v))):
                 buf.shrink()
@@ -497,7 +664,7 @@ class SekvCache(CachePolicy):
     # -- rollback ----------------------------------------------------------------------------------
     def mark(self) -> dict[str, Any]:
         return {
-            "n_tokens": self.n_tokens, "stats": self.stats.copy(),
+            "n_tokens": self.n_tokens, "stats": self.stats.copy(), "doc_read": self._doc_read,
             "prev": None if self._prev_logprobs is None else self._prev_logprobs.clone(),
             "exact": self.exact_pos.length, "spans": self.span_len.length,
             "pend_pos": self.pend_pos.view().clone(), "pend_s": self.pend_surprisal.view().clone(),
@@ -506,6 +673,9 @@ class SekvCache(CachePolicy):
 
     def rollback(self, mark: dict[str, Any]) -> None:
         self.n_tokens, self.stats, self._prev_logprobs = mark["n_tokens"], mark["stats"].copy(), mark["prev"]
+        self._doc_read = mark["doc_read"]
+        self._pins = [None] * self.config.n_layers
+        self._question_mass = [None] * self.config.n_layers
         for buf in (self.exact_pos,):
             buf.truncate(mark["exact"])
         for buf in (self.span_pos, self.span_len):
@@ -566,6 +736,7 @@ class SekvCache(CachePolicy):
         count, mean, m2 = meta["stats"]
         self.stats = RunningStats(int(count), float(mean), float(m2))
         self.n_tokens = int(meta["n_tokens"])
+        self._doc_read = True  # a saved memory holds a read document
 
     def _restore_router(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """A memory was built with its own router (its routing keys and ranks come from it): restore
@@ -591,6 +762,9 @@ class SekvCache(CachePolicy):
         L = self.layers[layer]
         tensors = [L.exact_k.data, L.exact_v.data, L.pend_k.data, L.pend_v.data, L.sum_k.data, L.sum_v.data,
                    L.route_k.data, L.bound_k.data]
+        pins = self._pins[layer]
+        if pins is not None:
+            tensors += [pins.k, pins.v, pins.pos, pins.mask]
         if layer == 0:
             tensors += [self.exact_pos.data, self.pend_pos.data, self.pend_surprisal.data, self.span_pos.data,
                         self.span_len.data]
@@ -601,18 +775,26 @@ class SekvCache(CachePolicy):
         return L.fac_k.tensors() + L.fac_v.tensors() if L.window_first else []  # a shared store counts once
 
     def reset_observations(self) -> None:
+        super().reset_observations()
         self._zoom_events.clear()
 
     def observations(self) -> dict[str, Any]:
         """Zoomed spans since the last reset: per span, how many (layer, KV head, step) picked it."""
         n_spans = self.span_len.length
+        pinned = [(l, p.mask_for(n_spans).nonzero().flatten()) for l, p in enumerate(self._pins) if p is not None]
         out: dict[str, Any] = {"spans": n_spans, "exact_tokens": self.exact_pos.length,
-                               "pending_tokens": self.pend_pos.length, "zoomed": []}
-        if not self._zoom_events or not n_spans:
+                               "pending_tokens": self.pend_pos.length, "zoomed": [],
+                               "pinned": len(set().union(*(set(s.tolist()) for _, s in pinned))),
+                               "host_reads_per_step_bytes": round(self.host_reads.per_step),
+                               "host_reads_question_bytes": self.host_reads.question_bytes}
+        # a pinned span counts as zoomed by each of its layer's KV heads at every decode step
+        steps = max(self.host_reads.steps, 1)
+        events = list(self._zoom_events) + [(l, s[None, :].expand(self.config.n_kv_heads * steps, -1))
+                                            for l, s in pinned]
+        if not events or not n_spans:
             return out
-        layers = torch.cat([torch.full((ev.numel(),), l) for l, ev in self._zoom_events])
-        heads = torch.cat([torch.arange(ev.shape[0]).repeat_interleave(ev.shape[1]) for _, ev in self._zoom_events])
-        spans = torch.cat([ev.reshape(-1) for _, ev in self._zoom_events])
+        layers = torch.cat([torch.full((ev.numel(),), l) for l, ev in events])
+        spans = torch.cat([ev.reshape(-1) for _, ev in events])
         ok = (spans >= 0) & (spans < n_spans)
         counts = torch.bincount(spans[ok], minlength=n_spans)
         per_layer = torch.zeros(self.config.n_layers, n_spans, dtype=torch.long)

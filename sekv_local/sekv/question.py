@@ -1,0 +1,85 @@
+"""Question-time selection for SeKV (`select=question`): the pieces that do not need the cache's state.
+
+When a question arrives its tokens attend exactly over every span's rows, which the host tier keeps in
+full; the attention mass each span gets ranks the spans, and the best ones are pinned on the device for
+the answer (their coarse summary rows leave the softmax), so a decode step reads back only a few routed
+spans beside them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PinnedRows:
+    """One layer's pinned spans for the current answer, on the device.
+
+    k, v: [KV, R, D] at the cache dtype, keys post-RoPE at their own positions; pos: [R] positions;
+    mask: [S0] bool, the pinned spans among the S0 spans that existed when the question was read.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor
+
+    def mask_for(self, n_spans: int) -> torch.Tensor:
+        """The pinned-span mask over n_spans spans [n_spans] (spans made since the question are not pinned)."""
+        extra = n_spans - self.mask.shape[0]
+        return self.mask if extra <= 0 else torch.cat([self.mask, self.mask.new_zeros(extra)])
+
+    def extended(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_spans: int,
+                 new_spans: int) -> "PinnedRows":
+        """These pins plus `new_spans` spans appended after the first n_spans (all pinned): their rows k, v
+        [KV, n, D] post-RoPE, positions [n]."""
+        mask = torch.cat([self.mask_for(n_spans), self.mask.new_ones(new_spans)])
+        return PinnedRows(torch.cat([self.k, k.to(self.k.dtype)], 1), torch.cat([self.v, v.to(self.v.dtype)], 1),
+                          torch.cat([self.pos, pos]), mask)
+
+
+#: how a span's share of the question's attention [H, T] becomes one score: the most any head gives it from any
+#: question token ("max"), from the last token ("last"), or on average over the question's tokens ("mean")
+PIN_SCORES = ("max", "last", "mean")
+
+
+def question_span_score(mass: torch.Tensor, rule: str) -> torch.Tensor:
+    """mass [H, T, S]: each span's share of each head's attention from each question token -> score [S]."""
+    if rule == "max":
+        return mass.amax(dim=(0, 1))
+    if rule == "last":
+        return mass[:, -1].amax(dim=0)
+    if rule == "mean":
+        return mass.mean(dim=1).amax(dim=0)
+    raise ValueError(f"unknown pin score {rule!r}")
+
+
+def pick_spans(score: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
+    """The best-scored spans whose rows fit in `rows`: score, lengths [S] -> span ids [n] in score order.
+    Spans are taken in score order while their total length fits (a span that would overflow ends it)."""
+    if rows <= 0 or score.numel() == 0:
+        return torch.zeros(0, dtype=torch.long, device=score.device)
+    order = torch.argsort(score, descending=True)
+    fits = torch.cumsum(lengths[order], 0) <= rows
+    return order[: int(fits.long().cumprod(0).sum())]
+
+
+def block_attention_with_span_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                                  n_spans: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of q [H, T, D] over one block of n_spans spans' rows, k/v [KV, n_spans * pad, D] (GQA; every
+    span padded to `pad` rows), bias [KV, n_spans * pad] (-inf on padding). Returns the block's output
+    [H, T, D], its log-sum-exp [H, T] (to merge with other blocks) and each span's log-sum-exp [H, T, n_spans]
+    (exp(span - total) is the span's share of the question's attention)."""
+    H, T, D = q.shape
+    KV, N = k.shape[0], k.shape[1]
+    G = H // KV
+    logits = (q.float().reshape(KV, G * T, D) @ k.float().transpose(1, 2)).view(KV, G, T, N) / math.sqrt(D)
+    logits = logits + bias.float()[:, None, None, :]
+    per_span = torch.logsumexp(logits.view(KV, G, T, n_spans, N // n_spans), dim=-1)  # [KV, G, T, S]
+    lse = torch.logsumexp(per_span, dim=-1)  # [KV, G, T]
+    weights = torch.exp(logits - lse[..., None]).nan_to_num_(0.0)
+    out = (weights.view(KV, G * T, N) @ v.float()).view(H, T, D)
+    return out, lse.reshape(H, T), per_span.reshape(H, T, n_spans)
