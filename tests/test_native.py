@@ -425,6 +425,9 @@ def test_speed_command_writes_side_by_side_numbers(tmp_path, library, model_path
         assert len(r["decode_tok_s"]) == 1  # one value per repeat
     assert runs["llama.cpp:sekv@zoom_k=4"]["device_peak_bytes"] <= 0.25 * runs["llama.cpp:sekv@zoom_k=4"]["full_kv_bytes"]
     assert "decode ratio" in (out / "summary.md").read_text()
+    # the native decode does not count its host reads yet: said, not shown as 0
+    assert all(r["reads_per_step_bytes"] is None for r in runs.values())
+    assert "not counted" in (out / "summary.md").read_text()
     bad = run_cli("speed", "--runs", "torch", "--out", str(out))
     assert bad.returncode == 2 and "ENGINE:METHOD" in bad.stderr
 

@@ -49,13 +49,22 @@ class SpeedResult:
     prefill_tok_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)  # steps 2..n (steady state)
     first_step_s: list[float] = field(default_factory=list)
+    question_s: list[float] = field(default_factory=list)  # reading QUESTION after the document
     device_peak_bytes: int = 0
     full_kv_bytes: int = 0
+    # host bytes gathered per decode step (None: the engine does not count them, e.g. the native decode)
+    reads_per_step_bytes: float | None = None
 
     def medians(self) -> dict[str, float]:
         return {"prefill_tok_s": statistics.median(self.prefill_tok_s),
                 "decode_tok_s": statistics.median(self.decode_tok_s),
-                "first_step_s": statistics.median(self.first_step_s)}
+                "first_step_s": statistics.median(self.first_step_s),
+                "question_s": statistics.median(self.question_s) if self.question_s else 0.0}
+
+
+#: read after the document, as a user's question is: methods that act at question time (SeKV's select=question)
+#: do it here, and every run pays for it alike
+QUESTION = "\n\nQuestion: What is the text above about? Answer in one sentence.\nAnswer:"
 
 
 def document_tokens(tokenizer: Tokenizer, n_tokens: int) -> list[int]:
@@ -66,8 +75,10 @@ def document_tokens(tokenizer: Tokenizer, n_tokens: int) -> list[int]:
 
 
 def measure_once(run: SpeedRun, model: Path, tokenizer: Tokenizer, ids: list[int], new_tokens: int,
-                 budget: float | int | None, threads: int, chunk_size: int) -> tuple[float, float, float, int, int]:
-    """(prefill tok/s, steady decode tok/s, first decode step s, device peak bytes, full-KV bytes)."""
+                 budget: float | int | None, threads: int, chunk_size: int
+                 ) -> tuple[float, float, float, int, int, float | None, float]:
+    """(prefill tok/s, steady decode tok/s, first decode step s, device peak bytes, full-KV bytes, host bytes read
+    per decode step or None where the engine does not count them, seconds to read the question)."""
     method, method_options = split_variant(run.method)
     options = EngineOptions(method=method, budget=budget if method != "full" else None, threads=threads,
                             chunk_size=chunk_size, method_options=method_options)
@@ -78,6 +89,11 @@ def measure_once(run: SpeedRun, model: Path, tokenizer: Tokenizer, ids: list[int
         engine.feed(ids)
         engine.finish_prefill()
         prefill_s = time.perf_counter() - start
+        engine.reset_observations()
+        start = time.perf_counter()
+        engine.feed(tokenizer.encode(QUESTION))
+        engine.finish_prefill()
+        question_s = time.perf_counter() - start
         stamps = [time.perf_counter()]
         for _ in engine.generate(new_tokens + 1, stop_ids=frozenset()):
             stamps.append(time.perf_counter())
@@ -85,8 +101,9 @@ def measure_once(run: SpeedRun, model: Path, tokenizer: Tokenizer, ids: list[int
         if len(steps) < 2:
             raise SekvError("too few decode steps to time")
         memory = engine.memory()
+        reads = memory.host_reads.per_step if memory.host_reads.steps else None
         return (len(ids) / prefill_s, (len(steps) - 1) / sum(steps[1:]), steps[0], memory.device_peak_bytes,
-                memory.full_kv_bytes)
+                memory.full_kv_bytes, reads, question_s)
     finally:
         close = getattr(engine, "close", None)
         if close is not None:
@@ -103,13 +120,15 @@ def measure(runs: list[SpeedRun], model_name: str, context_tokens: int, new_toke
     for rep in range(repeats):
         for run in runs:
             progress(f"repeat {rep + 1}/{repeats}: {run.label}")
-            prefill, decode, first, peak, full = measure_once(run, model, tokenizer, ids, new_tokens, budget, threads,
+            prefill, decode, first, peak, full, reads, question = measure_once(run, model, tokenizer, ids, new_tokens, budget, threads,
                                                               chunk_size)
             res = results[run.label]
             res.prefill_tok_s.append(prefill)
             res.decode_tok_s.append(decode)
             res.first_step_s.append(first)
             res.device_peak_bytes, res.full_kv_bytes = max(res.device_peak_bytes, peak), full
+            res.reads_per_step_bytes = reads
+            res.question_s.append(question)
             progress(f"  prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s, first step {first:.2f} s")
     return list(results.values())
 
@@ -121,15 +140,19 @@ def write(results: list[SpeedResult], out: Path, command: str, settings: dict) -
     base = results[0].medians()
     lines = [f"# Speed at {results[0].context_tokens} tokens of context", "", f"`{command}`", "",
              f"Medians over {len(results[0].decode_tok_s)} alternating repeats; decode = steady state over "
-             f"{results[0].new_tokens} generated tokens (first step apart); ratios vs `{results[0].run}`.", "",
-             "| run | prefill tok/s | decode tok/s | decode ratio | prefill ratio | first step s | device peak MiB | % of full KV |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{results[0].new_tokens} generated tokens (first step apart); question s = reading a short question after "
+             f"the document (where SeKV's select=question pins spans); ratios vs `{results[0].run}`.", "",
+             "| run | prefill tok/s | question s | decode tok/s | decode ratio | prefill ratio | first step s | device peak MiB "
+             "| % of full KV | host reads/step % of full KV |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r.medians()
-        lines.append(f"| {r.run} | {m['prefill_tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
+        lines.append(f"| {r.run} | {m['prefill_tok_s']:.1f} | {m['question_s']:.2f} | {m['decode_tok_s']:.1f} | "
                      f"{m['decode_tok_s'] / base['decode_tok_s']:.2f}x | {m['prefill_tok_s'] / base['prefill_tok_s']:.2f}x | "
                      f"{m['first_step_s']:.2f} | {r.device_peak_bytes / 2**20:.1f} | "
-                     f"{100 * r.device_peak_bytes / r.full_kv_bytes:.1f}% |")
+                     f"{100 * r.device_peak_bytes / r.full_kv_bytes:.1f}% | "
+                     + ("not counted |" if r.reads_per_step_bytes is None
+                        else f"{100 * r.reads_per_step_bytes / r.full_kv_bytes:.1f}% |"))
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
