@@ -138,6 +138,12 @@ class SekvCache(CachePolicy):
         return c.n_layers * 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
 
     @property
+    def pin_row_bytes(self) -> int:
+        """Device bytes of one pinned row of one layer: K and V for every KV head plus its position."""
+        c = self.config
+        return 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
+
+    @property
     def span_bytes(self) -> int:
         """Device bytes of one span over all layers: summary K, V and routing key per KV head + metadata."""
         c = self.config
@@ -281,8 +287,7 @@ class SekvCache(CachePolicy):
             + int(self.cfg.anchor_fraction * _ANSWER_ROOM) * self.token_bytes
         free = self.budget_bytes - self.device_bytes_now() - self._pending_growth(self.l_max + _ROW_STEP) - answer \
             - self.zoom_pool_bytes(self.step_slots)
-        row = 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8  # K, V and a position
-        return int(max(free, 0) // (c.n_layers * row))
+        return int(max(free, 0) // (c.n_layers * self.pin_row_bytes))
 
     def _free_zoom_k(self, n_new: int) -> int:
         """pool=free: the spans this step can rebuild within the budget, from the bytes the device tensors
@@ -492,9 +497,8 @@ class SekvCache(CachePolicy):
         an answer) beside a decode step's routed pool, within the device budget."""
         if all(p is None for p in self._pins):
             return False
-        c = self.config
-        row = 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
-        need = self.device_bytes_now() + c.n_layers * n_rows * row + self.zoom_pool_bytes(self.step_slots)
+        need = self.device_bytes_now() + self.config.n_layers * n_rows * self.pin_row_bytes \
+            + self.zoom_pool_bytes(self.step_slots)
         return need <= self.budget_bytes
 
     def _pin(self, layer: int, L: _Layer, take: torch.Tensor) -> None:
