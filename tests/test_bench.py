@@ -114,6 +114,16 @@ def test_method_variants_carry_their_own_options() -> None:
         BenchConfig(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"], methods=["xkv@group"])
 
 
+def test_a_variant_may_name_its_own_budget() -> None:
+    config = BenchConfig(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"],
+                         methods=["full", "sekv", "sekv@budget=0.125@zoom_k=8"], budgets=[0.25])
+    assert list(config.method_budgets()) == [("full", None), ("sekv", 0.25), ("sekv@budget=0.125@zoom_k=8", 0.125)]
+    assert config.options_of("sekv@budget=0.125@zoom_k=8") == {"zoom_k": 8}  # the budget is not a method option
+    with pytest.raises(SekvError, match="takes no budget"):
+        list(BenchConfig(tasks=["niah_single"], lengths=[1024], samples=1, engines=["torch"],
+                         methods=["full@budget=0.5"], budgets=[0.25]).method_budgets())
+
+
 def test_absolute_budgets_parse_and_print_as_sizes() -> None:
     from sekv_local.cache.budget import parse_budget
     from sekv_local.eval.report import fmt_budget

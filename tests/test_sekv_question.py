@@ -119,12 +119,43 @@ def test_rollback_drops_the_pins_and_the_next_question_pins_again() -> None:
     assert any(p is not None for p in sekv._pins)
 
 
-def test_the_native_engine_is_told_it_cannot_run_pins() -> None:
+def test_an_answer_fed_back_keeps_its_pins_and_its_device_budget() -> None:
+    """The native engine feeds its decoded tokens back as prefill chunks (`replaying`): they are not a new
+    question (the pins stay), they route the decode step's few slots, and in pieces of
+    `replay_chunk_tokens` the device peak stays where decode steps keep it."""
+    rope = Rope(CFG)
+    sekv = create_policy("sekv", CFG, rope, budget=0.5, l_min=4, l_max=16, recent=16, select="question")
+    sekv.reserve(900)
+    gen = torch.Generator().manual_seed(2)
+    feed([sekv], 800, 0, sekv.max_chunk_tokens(), True, gen)
+    sekv.finish_prefill()
+    feed([sekv], 20, 800, 20, True, gen)
+    sekv.finish_prefill()
+    pins = [sekv.pins(layer) for layer in range(CFG.n_layers)]
+    assert any(p is not None for p in pins)
+    assert sekv.replay_chunk_tokens() <= sekv.recent + sekv.l_max < sekv.chunk_tokens
+    position = 820
+    with sekv.replaying():
+        for _ in range(4):
+            n = sekv.replay_chunk_tokens()
+            feed([sekv], n, position, n, True, gen)
+            position += n
+            assert sekv._step_zoom_k <= sekv.step_slots
+    assert sekv.n_tokens == position and sekv.span_len.length > 0
+    # not a question: the same pinned spans (plus, possibly, spans folded from the answer)
+    for before, layer in zip(pins, range(CFG.n_layers)):
+        after = sekv.pins(layer)
+        if before is not None:
+            assert after is not None and after.mask[:before.mask.shape[0]].equal(before.mask)
+    assert sekv.memory().device_peak_bytes <= sekv.budget_bytes
+
+
+def test_the_native_engine_takes_both_selections() -> None:
     from sekv_local.native.memory_export import supported
 
     rope = Rope(CFG)
-    assert "question-time" in supported(create_policy("sekv", CFG, rope, budget=0.5, select="question"))
-    assert supported(create_policy("sekv", CFG, rope, budget=0.5, select="step", router="attention")) is None
+    for select in ("question", "step"):
+        assert supported(create_policy("sekv", CFG, rope, budget=0.5, select=select, router="attention")) is None
 
 
 def test_block_attention_matches_one_softmax_and_gives_each_spans_share() -> None:

@@ -63,13 +63,13 @@ int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logi
     }
     ggml_tensor * out = ggml_graph_get_tensor(gf, "logits");
     ggml_backend_tensor_get(out, logits, 0, (size_t) info.n_vocab * sizeof(float));
-    mem->last_zoom_k = 0;
     std::vector<float> passed;
     for (size_t il = 0; il < zoom.chosen.size(); ++il) {
         auto & dst = mem->last_zoom[il];
         ggml_tensor * chosen = zoom.chosen[il];
         if (chosen == nullptr) {
             dst.clear();
+            mem->last_zoom_k[il] = 0;
             continue;
         }
         dst.resize((size_t) ggml_nelements(chosen));
@@ -81,7 +81,7 @@ int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logi
                 if (passed[i] == 0.0f) dst[i] = -1;
             }
         }
-        mem->last_zoom_k = (int32_t) chosen->ne[0];
+        mem->last_zoom_k[il] = (int32_t) chosen->ne[0];
     }
     ggml_free(ctx);
     mem->n_exact += 1;

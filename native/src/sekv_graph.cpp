@@ -4,8 +4,9 @@
 // exact rows; routing scores every span by its coarse attention logit + log|S| (max over the KV group's
 // query heads) or, with the learned router, by q'.k'/sqrt(d') + log|S| where it passes the head's
 // threshold; a hard top-k picks the spans to zoom into; their rows are rebuilt from the SVD factors
-// (get_rows + mul_mat), RoPE'd at their original positions; one softmax runs over exact rows, summary
-// rows (+log|S|, the zoomed spans' rows masked) and the rebuilt rows.
+// (get_rows + mul_mat), RoPE'd at their original positions; one softmax runs over exact rows, pinned
+// rows (spans a question attended to, kept whole for its answer), summary rows (+log|S|; the zoomed and
+// pinned spans' ones masked) and the rebuilt rows. Pinned spans are never routed.
 #include "sekv_internal.h"
 
 #include "llama-model.h"
@@ -47,14 +48,15 @@ struct step_builder {
     // The learned router's choice: q_pre [D, G, KV] (before RoPE) -> chosen spans i32 [k, KV] and whether
     // each passed its head's threshold f32 [1, k, KV]. A span failing every head's threshold scores
     // BELOW (finite, so no inf * 0 below); the top-k takes it only when fewer than k passed.
-    std::pair<ggml_tensor *, ggml_tensor *> learned_route(int il, ggml_tensor * q_pre, int64_t k) const {
+    std::pair<ggml_tensor *, ggml_tensor *> learned_route(int il, ggml_tensor * q_pre, ggml_tensor * route_bias,
+                                                          int64_t k) const {
         constexpr float BELOW = 1e30f;
         const sekv_layer_tensors & t = mem->layers[il];
         const int64_t dp = mem->router_dim, S = mem->params.n_spans;
         ggml_tensor * proj = ggml_view_2d(ctx, m->router_q, D, dp, m->router_q->nb[1], il * m->router_q->nb[2]);
         ggml_tensor * qp = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, proj, ggml_reshape_2d(ctx, q_pre, D, G * KV)), dp, G, KV);
         ggml_tensor * logits = ggml_scale(ctx, ggml_mul_mat(ctx, t.route_k, qp), 1.0f / std::sqrt((float) dp));
-        logits = ggml_add(ctx, logits, mem->route_bias);  // [S, G, KV]
+        logits = ggml_add(ctx, logits, route_bias);  // [S, G, KV]
         ggml_tensor * thr = ggml_view_3d(ctx, m->router_thr, 1, G, KV, m->router_thr->nb[0], G * m->router_thr->nb[0],
                                          il * m->router_thr->nb[1]);
         ggml_tensor * passed = ggml_step(ctx, ggml_sub(ctx, logits, thr));
@@ -71,25 +73,37 @@ struct step_builder {
         const sekv_layer_tensors & t = mem->layers[il];
         const float scale = 1.0f / std::sqrt((float) D);
         const int64_t S = mem->params.n_spans;
-        const int64_t k = std::min<int64_t>(mem->params.zoom_k, S);
-        const int64_t l = mem->params.span_rows, R = mem->params.rank;
+        const bool pins = t.n_pinned_spans > 0;
+        // the pinned spans leave fewer to route, so a top-k never has to take a masked one
+        const int64_t k = std::min<int64_t>(mem->params.zoom_k, S - t.n_pinned_spans);
+        const int64_t l = mem->params.span_rows, R = mem->params.rank, P = t.n_pin_rows;
 
         ggml_tensor * ek = ggml_view_3d(ctx, t.ek, D, n_rows, KV, t.ek->nb[1], t.ek->nb[2], 0);
         ggml_tensor * evt = ggml_view_3d(ctx, t.evt, n_rows, D, KV, t.evt->nb[1], t.evt->nb[2], 0);
         q = ggml_scale(ctx, q, scale);  // every score below is a scaled logit
         ggml_tensor * scores = ggml_mul_mat(ctx, ek, q);  // [n_rows, G, KV]
+        if (P > 0) {
+            ggml_tensor * pk = ggml_view_3d(ctx, t.pk, D, P, KV, t.pk->nb[1], t.pk->nb[2], 0);
+            scores = ggml_concat(ctx, scores, ggml_mul_mat(ctx, pk, q), 0);  // [n_rows + P, G, KV]
+        }
+        const int64_t n_direct = n_rows + P;  // rows attended as they are: exact, then pinned
         ggml_tensor * zv_fact = nullptr, * v_slots = nullptr;
         if (S > 0) {
             ggml_tensor * coarse = ggml_mul_mat(ctx, t.sk, q);  // [S, G, KV]
-            ggml_tensor * coarse_bias = ggml_repeat_4d(ctx, mem->coarse_bias, 1, S, KV, 1);
+            ggml_tensor * span_bias = mem->coarse_bias, * route_bias = mem->route_bias;
+            if (pins) {
+                span_bias = ggml_add(ctx, span_bias, ggml_reshape_3d(ctx, t.pin_bias, 1, S, 1));
+                route_bias = ggml_add(ctx, route_bias, t.pin_bias);
+            }
+            ggml_tensor * coarse_bias = ggml_repeat_4d(ctx, span_bias, 1, S, KV, 1);
             if (k > 0) {
                 ggml_tensor * chosen = nullptr, * ok = nullptr;
                 if (mem->params.router) {
-                    std::tie(chosen, ok) = learned_route(il, q_pre, k);
+                    std::tie(chosen, ok) = learned_route(il, q_pre, route_bias, k);
                     ggml_set_output(ok);
                     *passed_out = ok;
                 } else {
-                    ggml_tensor * route = max_over_group(ggml_add(ctx, coarse, mem->route_bias));  // [S, KV]
+                    ggml_tensor * route = max_over_group(ggml_add(ctx, coarse, route_bias));  // [S, KV]
                     chosen = ggml_top_k(ctx, route, (int) k);  // i32 [k, KV]
                 }
                 ggml_set_output(chosen);
@@ -144,13 +158,17 @@ struct step_builder {
         }
         ggml_tensor * probs = ggml_soft_max(ctx, scores);  // [N, G, KV]
         ggml_tensor * out = ggml_mul_mat(ctx, evt, rows(probs, 0, n_rows));  // [D, G, KV]
+        if (P > 0) {
+            ggml_tensor * pvt = ggml_view_3d(ctx, t.pvt, P, D, KV, t.pvt->nb[1], t.pvt->nb[2], 0);
+            out = ggml_add(ctx, out, ggml_mul_mat(ctx, pvt, rows(probs, n_rows, P)));
+        }
         if (S > 0) {
-            out = ggml_add(ctx, out, ggml_mul_mat(ctx, t.svt, rows(probs, n_rows, S)));
+            out = ggml_add(ctx, out, ggml_mul_mat(ctx, t.svt, rows(probs, n_direct, S)));
         }
         if (zv_fact != nullptr || v_slots != nullptr) {
             // the zoomed rows' probabilities per (span, head): [l, k, G * KV]
             ggml_tensor * pz = ggml_view_3d(ctx, probs, l, k, G * KV, l * probs->nb[0], probs->nb[1],
-                                            (n_rows + S) * probs->nb[0]);
+                                            (n_direct + S) * probs->nb[0]);
             ggml_tensor * per_span = nullptr;  // [D, k, G * KV]: each span's share of each head's output
             if (zv_fact != nullptr) {  // [l, D] x [l, G] per (span, KV head)
                 ggml_tensor * pf = ggml_view_4d(ctx, pz, l, G, k, KV, pz->nb[2], pz->nb[1], G * pz->nb[2], 0);  // [l, G, k, KV]

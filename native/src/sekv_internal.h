@@ -48,6 +48,8 @@ void sekv_router_free(sekv_model * model);
 //   rk f16 [D*l, n_raw+1, KV] raw spans' keys (pre-RoPE)   rvt f16 [l*D, n_raw+1, KV] their values, transposed
 //   k_fslot, k_rslot, v_fslot, v_rslot i32 [1, S, KV]: each span's slot in the factored / raw table
 //   route_k f16 [d', S, KV]  routing keys of the learned router (params.router only)
+//   pk f16 [D, P, KV], pvt f16 [P, D, KV]  pinned rows (post-RoPE keys; values transposed), P = n_pinned[il]
+//   pin_bias f32 [S, 1, 1]   0, or -inf for a pinned span: added to its summary row's bias and routing score
 // The last slot of each table stays zero: a span indexes it in the table it is not stored in.
 struct sekv_layer_tensors {
     ggml_tensor * ek = nullptr, * evt = nullptr, * sk = nullptr, * svt = nullptr;
@@ -55,6 +57,10 @@ struct sekv_layer_tensors {
     ggml_tensor * rk = nullptr, * rvt = nullptr;
     ggml_tensor * k_fslot = nullptr, * k_rslot = nullptr, * v_fslot = nullptr, * v_rslot = nullptr;
     ggml_tensor * route_k = nullptr;
+    ggml_tensor * pk = nullptr, * pvt = nullptr, * pin_bias = nullptr;
+    int32_t pin_capacity = 0;    // P
+    int32_t n_pin_rows = 0;      // pinned rows set now (<= P)
+    int32_t n_pinned_spans = 0;  // spans they belong to
     int32_t n_factored[2] = {0, 0};  // keys, values
     int32_t n_raw[2] = {0, 0};
     bool same_raw_slots = false;  // keys and values store the same spans raw: one slot lookup serves both
@@ -84,7 +90,7 @@ struct sekv_memory {
     ggml_backend_sched_t sched = nullptr;   // GPU (or forced): ggml splits each step between GPU and CPU
     std::vector<uint8_t> graph_meta;  // scratch for the per-step graph's tensor headers
     std::vector<std::vector<int32_t>> last_zoom;  // [layer][KV * k], -1: a slot the learned router left empty
-    int32_t last_zoom_k = 0;
+    std::vector<int32_t> last_zoom_k;             // [layer]: k of that layer's last step
 };
 
 // Most nodes a decode graph holds (every layer's ops for the largest models we take).

@@ -11,6 +11,12 @@ static bool check_params(const sekv_memory_params & p, const sekv_model_info & i
         sekv_set_error("sekv_memory_params: need exact_capacity >= 1, span_rows >= 1, rank >= 1, zoom_k >= 0, n_spans >= 0");
         return false;
     }
+    for (int32_t i = 0; p.n_pinned != nullptr && i < info.n_layer; ++i) {
+        if (p.n_pinned[i] < 0) {
+            sekv_set_error("sekv_memory_params: n_pinned must be >= 0");
+            return false;
+        }
+    }
     for (int32_t i = 0; i < 2 * info.n_layer; ++i) {
         if (p.n_factored == nullptr || p.n_raw == nullptr || p.n_factored[i] < 0 || p.n_raw[i] < 0 ||
             p.n_factored[i] + p.n_raw[i] != p.n_spans) {
@@ -47,12 +53,13 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     auto * mem = new sekv_memory();
     mem->model = model;
     mem->params = *params;
-    mem->params.n_factored = mem->params.n_raw = nullptr;  // the caller's arrays: copied per layer below
+    // the caller's arrays: copied per layer below
+    mem->params.n_factored = mem->params.n_raw = mem->params.n_pinned = nullptr;
     const int64_t L = info.n_layer, KV = info.n_head_kv, D = info.head_dim;
     const int64_t cap = params->exact_capacity, S = std::max<int64_t>(params->n_spans, 1);
     const int64_t l = params->span_rows, R = params->rank, k = std::max<int32_t>(params->zoom_k, 1);
 
-    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (L * 9 + 16), nullptr, true};
+    ggml_init_params ip = {ggml_tensor_overhead() * (size_t) (L * 12 + 16), nullptr, true};
     mem->device_ctx = ggml_init(ip);
     mem->host_ctx = ggml_init(ip);
     mem->layers.resize(L);
@@ -80,6 +87,12 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
         t.v_rslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
         if (params->router) {
             t.route_k = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, model->router_dim, S, KV);
+        }
+        t.pin_capacity = params->n_pinned != nullptr ? params->n_pinned[il] : 0;
+        if (t.pin_capacity > 0) {
+            t.pk = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, D, t.pin_capacity, KV);
+            t.pvt = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, t.pin_capacity, D, KV);
+            t.pin_bias = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F32, S, 1, 1);
         }
     }
     mem->router_dim = params->router ? model->router_dim : 0;
@@ -112,6 +125,7 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     mem->layer_spans_set.assign(L, params->n_spans == 0);
     mem->layer_routing_set.assign(L, params->n_spans == 0 || !params->router);
     mem->last_zoom.assign(L, {});
+    mem->last_zoom_k.assign(L, 0);
     if (model->gpu != nullptr || params->scheduler) {
         ggml_backend_t backends[2];
         int n = 0;
@@ -281,6 +295,31 @@ int sekv_memory_set_layer_routing(sekv_memory * mem, int32_t layer, const uint16
     return 0;
 }
 
+int sekv_memory_set_layer_pins(sekv_memory * mem, int32_t layer, int32_t n_rows, const uint16_t * k,
+                               const uint16_t * v, const int32_t * pinned) {
+    if (!check_layer(mem, layer)) return -1;
+    auto & t = mem->layers[layer];
+    if (n_rows < 0 || n_rows > t.pin_capacity) {
+        sekv_set_error("layer " + std::to_string(layer) + ": " + std::to_string(n_rows) +
+                       " pinned rows, room for " + std::to_string(t.pin_capacity) + " (sekv_memory_params.n_pinned)");
+        return -1;
+    }
+    const int64_t S = mem->params.n_spans, KV = mem->model->info.n_head_kv, D = mem->model->info.head_dim;
+    if (t.pin_capacity == 0 || S == 0) return 0;
+    std::vector<float> bias((size_t) S);
+    int32_t n_spans = 0;
+    for (int64_t s = 0; s < S; ++s) {
+        bias[s] = pinned[s] != 0 ? -INFINITY : 0.0f;
+        n_spans += pinned[s] != 0;
+    }
+    set_rows_by_head(t.pk, k, n_rows, D, KV, false);
+    set_rows_by_head(t.pvt, v, n_rows, D, KV, true);
+    ggml_backend_tensor_set(t.pin_bias, bias.data(), 0, bias.size() * sizeof(float));
+    t.n_pin_rows = n_rows;
+    t.n_pinned_spans = n_spans;
+    return 0;
+}
+
 int32_t sekv_memory_n_exact(const sekv_memory * mem) { return mem->n_exact; }
 
 int sekv_memory_bytes(const sekv_memory * mem, uint64_t * device, uint64_t * host, uint64_t * compute) {
@@ -301,5 +340,5 @@ int32_t sekv_memory_last_zoom(const sekv_memory * mem, int32_t layer, int32_t * 
     if (!check_layer(mem, layer)) return -1;
     const auto & z = mem->last_zoom[layer];
     std::copy(z.begin(), z.end(), spans);
-    return z.empty() ? 0 : mem->last_zoom_k;
+    return z.empty() ? 0 : mem->last_zoom_k[layer];
 }

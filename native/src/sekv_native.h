@@ -51,6 +51,8 @@ typedef struct sekv_memory_params {
                                    1: the model's learned router (sekv_model_set_router or the GGUF's sekv.*):
                                    sigmoid(q'.k'/sqrt(d') + log|S|) against per-head thresholds, then top-k;
                                    needs each layer's routing keys (sekv_memory_set_layer_routing) */
+    const int32_t * n_pinned;   /* [n_layer]: room for pinned rows per layer (question-time selection; see
+                                   sekv_memory_set_layer_pins), or nullptr: no pins */
 } sekv_memory_params;
 
 SEKV_API const char * sekv_last_error(void);
@@ -104,6 +106,14 @@ SEKV_API int sekv_memory_set_layer_spans(sekv_memory * memory, int32_t layer,
  * pre-RoPE span summary, normalized). Counted in the device tier. */
 SEKV_API int sekv_memory_set_layer_routing(sekv_memory * memory, int32_t layer, const uint16_t * route_k);
 
+/* One layer's pinned spans (question-time selection): spans the question attended to, kept at full
+ * resolution for its answer. Their rows k, v [KV][n_rows][D] (k post-RoPE at each token's own position) are
+ * attended at every step like exact rows; pinned int32 [S] (1 = pinned) takes those spans' summary rows out
+ * of the softmax and out of routing, so a step's zoom_k slots go to other spans. n_rows <= n_pinned[layer];
+ * a later call replaces the layer's pins. */
+SEKV_API int sekv_memory_set_layer_pins(sekv_memory * memory, int32_t layer, int32_t n_rows, const uint16_t * k,
+                                        const uint16_t * v, const int32_t * pinned);
+
 /* One token at `position`: appends its K/V to the exact rows of every layer; logits float [n_vocab]. */
 SEKV_API int sekv_decode(sekv_memory * memory, int32_t token, int32_t position, float * logits);
 
@@ -112,7 +122,8 @@ SEKV_API int32_t sekv_memory_n_exact(const sekv_memory * memory);
  * (activations plus the zoom working set) as allocated by the last decode. */
 SEKV_API int sekv_memory_bytes(const sekv_memory * memory, uint64_t * device, uint64_t * host, uint64_t * compute);
 /* Spans rebuilt by `layer` in the last decode step: int32 [KV][k] written to spans, -1 where the learned
- * router passed fewer than k spans over its thresholds; returns k (0: none). */
+ * router passed fewer than k spans over its thresholds; returns k (0: none). k is the layer's own: zoom_k,
+ * or fewer where pinned spans leave fewer to route. */
 SEKV_API int32_t sekv_memory_last_zoom(const sekv_memory * memory, int32_t layer, int32_t * spans);
 
 /* Stock llama.cpp on the same model, for comparison: a full-f16-KV context, n_context ordinary tokens

@@ -42,8 +42,6 @@ class LlamaCppSekvEngine(Engine):
         from ..native.memory_export import supported
 
         method_options = dict(options.method_options)
-        # the native decode step routes its whole pool at every step; question-time pins are torch-only so far
-        method_options.setdefault("select", "step")
         self.host_form = method_options.pop("host", "rows")
         if self.host_form not in HOST_FORMS:
             raise SekvError(f"engine 'llama.cpp': host must be one of {', '.join(HOST_FORMS)}, got {self.host_form!r}")
@@ -68,9 +66,20 @@ class LlamaCppSekvEngine(Engine):
         if self.pending:
             tokens, self.pending = self.pending, []
             self.reference.n_tokens = self.n_tokens - len(tokens)
-            self.reference._forward(tokens, prefill=True)
+            self._replay(tokens)
         self.reference.n_tokens = self.n_tokens
         self._drop_native()
+
+    def _replay(self, tokens: list[int]) -> np.ndarray:
+        """Feed natively decoded tokens to the torch memory from reference.n_tokens on, in pieces that keep
+        its device tier where the decode steps kept it; the last piece's logits."""
+        cache = self.reference.cache
+        with cache.replaying():
+            while tokens:
+                piece, tokens = tokens[:cache.replay_chunk_tokens()], tokens[cache.replay_chunk_tokens():]
+                logits = self.reference._forward(piece, prefill=True)
+                self.reference.n_tokens += len(piece)
+        return logits
 
     def _drop_native(self) -> None:
         if self.native is not None:
@@ -94,9 +103,12 @@ class LlamaCppSekvEngine(Engine):
                 self._drop_native()
             else:
                 self._fold_back()
-            self.reference.n_tokens = self.n_tokens + 1 - len(tokens) if full else self.n_tokens
+            if full:  # the answer goes on: its tokens so far and this one, fed back under the answer's pins
+                self.reference.n_tokens = self.n_tokens + 1 - len(tokens)
+                return self._replay(tokens)
+            self.reference.n_tokens = self.n_tokens
             logits = self.reference._forward(tokens, prefill=True)
-            self.reference.n_tokens = self.n_tokens + (1 if full else len(tokens))
+            self.reference.n_tokens = self.n_tokens + len(tokens)
             return logits
         if self.native is None:
             self._import()
@@ -108,11 +120,17 @@ class LlamaCppSekvEngine(Engine):
         return logits
 
     def _record_zoom(self) -> None:
-        events = self.reference.cache._zoom_events
+        """The step's zoom choices into the torch memory's observations (the document map), and the host
+        bytes they read into its host-read count."""
+        cache = self.reference.cache
+        reads = 0
         for layer in range(self.config.n_layers):
             chosen = self.native.last_zoom(layer)
             if chosen.size:
-                events.append((layer, torch.from_numpy(chosen.astype(np.int64))))
+                cache._zoom_events.append((layer, torch.from_numpy(chosen.astype(np.int64))))
+                reads += int(self.native.span_read_bytes[layer][chosen[chosen >= 0]].sum())
+        cache.host_reads.steps += 1
+        cache.host_reads.count(reads, decode_step=True)
 
     def finish_prefill(self) -> None:
         self._fold_back()
@@ -145,7 +163,8 @@ class LlamaCppSekvEngine(Engine):
             return ref
         b = self.native.bytes()
         return MemoryReport(tokens=self.n_tokens, device_bytes=b.device, device_peak_bytes=max(ref.device_peak_bytes,
-                            self._native_peak), host_bytes=b.host, full_kv_bytes=self.config.full_kv_bytes(self.n_tokens))
+                            self._native_peak), host_bytes=b.host, full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
+                            host_reads=ref.host_reads)
 
     def score(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         self.reset()

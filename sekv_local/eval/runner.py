@@ -33,6 +33,8 @@ STOCK_METHODS = ("full", "quant-q8_0", "quant-q4_0")
 SHARED_PREFILL_SOURCE, SHARED_PREFILL_TARGET = "torch", "llama.cpp"
 #: methods that keep everything and therefore take no budget
 UNBUDGETED = ("full", "quant-q8_0", "quant-q4_0", "quant")
+#: a variant key that sets the run's budget rather than a method option (sekv@budget=0.125)
+VARIANT_BUDGET = "budget"
 
 
 @dataclass
@@ -98,6 +100,7 @@ class BenchConfig:
     def options_of(self, method: str) -> dict[str, Any]:
         """Options of a method label: --option settings of its base method, then the variant's own."""
         base, variant = split_variant(method)
+        variant.pop(VARIANT_BUDGET, None)
         return {**self.method_options.get(base, {}), **variant}
 
     def method_budgets(self) -> Iterator[tuple[str, float | None]]:
@@ -105,10 +108,16 @@ class BenchConfig:
 
 
 def method_budgets(methods: list[str], budgets: list[float | int | None]) -> Iterator[tuple[str, float | None]]:
-    """(method, budget) runs: unbudgeted methods once with None, the others once per budget."""
+    """(method, budget) runs: unbudgeted methods once with None, a variant naming its own budget
+    (``sekv@budget=0.125``) once with it, the others once per budget."""
     for method in methods:
-        if split_variant(method)[0] in UNBUDGETED:
+        base, variant = split_variant(method)
+        if base in UNBUDGETED:
+            if VARIANT_BUDGET in variant:
+                raise SekvError(f"method '{base}' takes no budget (in '{method}')")
             yield method, None
+        elif VARIANT_BUDGET in variant:
+            yield method, parse_budget(str(variant[VARIANT_BUDGET]))
         else:
             for budget in budgets:
                 if budget is None:

@@ -25,7 +25,7 @@ class ModelInfo(ctypes.Structure):
 class MemoryParams(ctypes.Structure):
     _fields_ = [("exact_capacity", _c_int), ("n_spans", _c_int), ("span_rows", _c_int), ("rank", _c_int),
                 ("zoom_k", _c_int), ("summary_bias", _c_float), ("n_factored", _p), ("n_raw", _p),
-                ("scheduler", _c_int), ("router", _c_int)]
+                ("scheduler", _c_int), ("router", _c_int), ("n_pinned", _p)]
 
 
 class SpanRows(ctypes.Structure):
@@ -44,6 +44,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "sekv_model_router_dim": (_c_int, [_p]),
     "sekv_model_get_router": (ctypes.c_int, [_p, _p, _p]),
     "sekv_memory_set_layer_routing": (ctypes.c_int, [_p, _c_int, _p]),
+    "sekv_memory_set_layer_pins": (ctypes.c_int, [_p, _c_int, _c_int, _p, _p, _p]),
     "sekv_memory_create": (_p, [_p, ctypes.POINTER(MemoryParams)]),
     "sekv_memory_free": (None, [_p]),
     "sekv_memory_set_exact": (ctypes.c_int, [_p, _c_int, _c_int, _p, _p]),
@@ -195,21 +196,28 @@ class NativeMemory(_Handle):
 
     def __init__(self, model: NativeModel, exact_capacity: int, n_spans: int, span_rows: int, rank: int,
                  zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray,
-                 scheduler: bool = False, learned_router: bool = False) -> None:
+                 scheduler: bool = False, learned_router: bool = False, pin_rows: np.ndarray | None = None) -> None:
         """n_factored, n_raw [n_layer, 2]: spans each layer stores as factors / raw, keys then values.
         scheduler: step through ggml's multi-backend scheduler even on the CPU (a GPU model always does).
-        learned_router: route with the model's learned router (set each layer's routing keys too)."""
+        learned_router: route with the model's learned router (set each layer's routing keys too).
+        pin_rows [n_layer]: room for each layer's pinned rows (question-time selection), None: no pins."""
         self.model = model
         self.lib = model.lib
         counts = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in (n_factored, n_raw)]
         if any(c.size != 2 * model.info.n_layer for c in counts):
             raise SekvError("native engine: n_factored / n_raw need one count per layer for keys and values")
+        self._pin_rows = None if pin_rows is None else np.ascontiguousarray(pin_rows, dtype=np.int32).reshape(-1)
+        if self._pin_rows is not None and self._pin_rows.size != model.info.n_layer:
+            raise SekvError("native engine: pin_rows needs one count per layer")
         params = MemoryParams(exact_capacity, n_spans, span_rows, rank, zoom_k, summary_bias,
-                              _ptr(counts[0]), _ptr(counts[1]), int(scheduler), int(learned_router))
+                              _ptr(counts[0]), _ptr(counts[1]), int(scheduler), int(learned_router),
+                              None if self._pin_rows is None else _ptr(self._pin_rows))
         self.handle = self.lib.sekv_memory_create(model.handle, ctypes.byref(params))
         if not self.handle:
             raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")
         self.n_spans = n_spans
+        # host bytes [n_layer, S] one KV head's zoom into each span reads (set by whoever fills the memory)
+        self.span_read_bytes: np.ndarray | None = None
         self.router_dim = model.router_dim if learned_router else 0
         self._logits = np.empty(model.info.n_vocab, dtype=np.float32)
 
@@ -242,6 +250,15 @@ class NativeMemory(_Handle):
             raise SekvError(f"native engine: routing keys of shape {route_k.shape}, this memory takes {want}"
                             + ("" if self.router_dim else " (it was made without the learned router)"))
         _check(self.lib, self.lib.sekv_memory_set_layer_routing(self.handle, layer, _ptr(route_k)), "set_layer_routing")
+
+    def set_layer_pins(self, layer: int, k: np.ndarray, v: np.ndarray, pinned: np.ndarray) -> None:
+        """k, v [KV, n, D] (k post-RoPE): the rows of `layer`'s pinned spans; pinned [S] (bool): which spans."""
+        k, v = _half(k), _half(v)
+        pinned = np.ascontiguousarray(pinned, dtype=np.int32)
+        if pinned.shape != (self.n_spans,):
+            raise SekvError(f"native engine: a pin mask of shape {pinned.shape}, this memory has {self.n_spans} spans")
+        _check(self.lib, self.lib.sekv_memory_set_layer_pins(self.handle, layer, k.shape[1], _ptr(k), _ptr(v),
+                                                             _ptr(pinned)), "set_layer_pins")
 
     def decode(self, token: int, position: int) -> np.ndarray:
         """Logits [vocab] after `token` at `position` (a copy)."""

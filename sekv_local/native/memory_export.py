@@ -28,6 +28,8 @@ class LayerExport:
     keys: StoreRows
     values: StoreRows
     route_k: np.ndarray | None  # [KV, S, d'] unit-norm routing keys of the learned router (None: training-free rule)
+    pins: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # pinned rows k, v [KV, n, D] (k post-RoPE), mask [S]
+    read_bytes: np.ndarray  # int64 [S]: host bytes one KV head's zoom into each span reads (K and V, padded slots)
 
 
 @dataclass
@@ -43,6 +45,12 @@ class MemoryExport:
     def n_exact(self) -> int:
         return int(self.layers[0].exact_k.shape[1])
 
+    def pin_rows(self) -> np.ndarray | None:
+        """Pinned rows per layer int32 [n_layer] (None: no layer has pins)."""
+        if all(layer.pins is None for layer in self.layers):
+            return None
+        return np.array([0 if l.pins is None else l.pins[0].shape[1] for l in self.layers], dtype=np.int32)
+
     def store_counts(self) -> tuple[np.ndarray, np.ndarray]:
         """Factored and raw spans per layer, keys then values: two int32 [n_layer, 2]."""
         raw = np.array([[int(l.keys.is_raw.sum()), int(l.values.is_raw.sum())] for l in self.layers], dtype=np.int32)
@@ -51,8 +59,6 @@ class MemoryExport:
 
 def supported(cache: SekvCache) -> str | None:
     """Why the native engine cannot run this memory (None: it can)."""
-    if cache.cfg.select != "step":
-        return "question-time selection (select=question; the native engine decodes with select=step)"
     if cache.cfg.share_layers != 1:
         return "span factors shared across layers (sekv+xkv)"
     if cache.router_kind not in ("attention", "projection"):
@@ -124,6 +130,13 @@ def store_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, 
                      x.to(half).contiguous().numpy())
 
 
+def read_bytes(stores: tuple[StoreRows, StoreRows], rows: int, rank: int, head_dim: int) -> np.ndarray:
+    """Host bytes [S] the native step reads when one KV head zooms into each span: the span's slot in its
+    keys' and its values' table (raw rows l x D, or factors U l x R and W D x R), f16, padded as stored."""
+    raw_slot, factor_slot = rows * head_dim * 2, (rows + head_dim) * rank * 2
+    return sum(np.where(store.is_raw != 0, raw_slot, factor_slot).astype(np.int64) for store in stores)
+
+
 def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
     """decompress: hand the native memory every span as rows, rebuilt once here, instead of factors it
     rebuilds at every step (the host tier then holds about the full KV; the device tier is unchanged)."""
@@ -147,7 +160,7 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
 
     learned = cache.router_kind == "projection"
     out = []
-    for layer in cache.layers:
+    for layer_no, layer in enumerate(cache.layers):
         exact_k = torch.cat([layer.exact_k.view(), layer.pend_k.view()], dim=1)
         exact_v = torch.cat([layer.exact_v.view(), layer.pend_v.view()], dim=1)
         if decompress:
@@ -157,9 +170,12 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
             keys = store_rows(layer.fac_k, lengths, starts, rows, rank, values=False, rotate=rotate)
             values = store_rows(layer.fac_v, lengths, starts, rows, rank, values=True)
         route_k = layer.route_k.view().cpu().half().numpy() if learned else None
+        pinned = cache.pins(layer_no)
+        pins = None if pinned is None else (pinned.k.cpu().half().numpy(), pinned.v.cpu().half().numpy(),
+                                            pinned.mask_for(S).cpu().numpy())
         out.append(LayerExport(exact_k.cpu().half().numpy(), exact_v.cpu().half().numpy(),
                                layer.sum_k.view().cpu().half().numpy(), layer.sum_v.view().cpu().half().numpy(),
-                               keys, values, route_k))
+                               keys, values, route_k, pins, read_bytes((keys, values), rows, rank, cache.config.head_dim)))
     router = None
     if learned:
         router = (cache.router.q_proj.detach().float().cpu().numpy(),
@@ -181,8 +197,9 @@ def native_memory(model: NativeModel, cache: SekvCache, room: int, decompress: b
         if have is None or any(a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(have, exported.router)):
             model.set_router(*exported.router)
     memory = NativeMemory(model, exported.n_exact + room, S, exported.span_rows, exported.rank,
-                          cache.zoom_k if S else 0, cache.cfg.summary_bias, factored, raw, scheduler=scheduler,
-                          learned_router=exported.router is not None)
+                          cache.decode_zoom_k() if S else 0, cache.cfg.summary_bias, factored, raw,
+                          scheduler=scheduler, learned_router=exported.router is not None,
+                          pin_rows=exported.pin_rows())
     try:
         memory.set_spans(exported.span_start, exported.span_len)
         for i, layer in enumerate(exported.layers):
@@ -190,7 +207,10 @@ def native_memory(model: NativeModel, cache: SekvCache, room: int, decompress: b
             memory.set_layer_spans(i, layer.sum_k, layer.sum_v, layer.keys, layer.values)
             if layer.route_k is not None:
                 memory.set_layer_routing(i, layer.route_k)
+            if layer.pins is not None:
+                memory.set_layer_pins(i, *layer.pins)
     except SekvError:
         memory.close()
         raise
+    memory.span_read_bytes = np.stack([layer.read_bytes for layer in exported.layers]) if S else None
     return memory

@@ -55,8 +55,9 @@ class SekvConfig:
         arrives, its tokens attend exactly over every span's rows (one pass over the host tier), and the spans
         holding most of its attention mass, per layer, are pinned on the device for the answer (as many rows
         as the device budget leaves free); each decode step adds `read_budget`'s worth of routed spans beside
-        them. "step" (the default until fresh-seed measurements settle the choice): every decode step routes and
-        rebuilds its whole zoom pool.
+        them (the default: chosen on development seeds, measured in RESULTS "Selective zoom"). "step": every
+        decode step routes and rebuilds its whole zoom pool (the earlier default: accurate, but each step reads
+        most of the document back).
     pin_score: how select=question ranks spans by the question's attention: the most any head gives a span from
         any question token ("max"), from the question's last token ("last"), or averaged over its tokens ("mean").
     read_budget: host bytes a decode step may gather (routed spans' stored rows or factors): a fraction of the
@@ -97,7 +98,7 @@ class SekvConfig:
     energy: float = 0.999
     max_rank: int = 32
     rank_rule: str = "auto"
-    select: str = "step"
+    select: str = "question"
     pin_score: str = "max"
     read_budget: float | int | str = "auto"
     routing_dim: int = 32

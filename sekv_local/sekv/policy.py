@@ -12,8 +12,9 @@ their positions when rebuilt. The "bounded" position strategy re-rotates device 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -109,6 +110,7 @@ class SekvCache(CachePolicy):
         self._zoom_bytes = 0
         self._doc_read = False  # the document is in; a later prefill is a question (select=question)
         self._question = False  # this chunk is a question's: exact attention over every span, then pins
+        self._replay = False  # chunks are an answer decoded elsewhere, fed back (see `replaying`): not questions
         self._pins: list[PinnedRows | None] = [None] * config.n_layers
         self._question_mass: list[torch.Tensor | None] = [None] * config.n_layers  # per layer [S]
         self._question_block = 1
@@ -167,6 +169,15 @@ class SekvCache(CachePolicy):
         if budget is None:
             return None
         return int(budget * self.config.full_kv_bytes(self.planned_tokens)) if isinstance(budget, float) else int(budget)
+
+    def decode_zoom_k(self) -> int:
+        """Spans a decode step routes per layer and KV head: the pool, capped by the read budget when the
+        question's pins carry the rest (select=question)."""
+        return min(self.zoom_k, self.step_slots) if self.cfg.select == "question" else self.zoom_k
+
+    def pins(self, layer: int) -> PinnedRows | None:
+        """`layer`'s pinned spans for the current answer (select=question), None when it has none."""
+        return self._pins[layer]
 
     def _read_budget_slots(self) -> int:
         """Spans a decode step may route and rebuild per layer and KV head: the planned pool, capped by the
@@ -256,11 +267,12 @@ class SekvCache(CachePolicy):
         self._q_cos_sin = self.rope.cos_sin(positions - self._shift)
         self._k_cos_sin = self._q_cos_sin if self._shift == 0 else self.rope.cos_sin(positions)
         self._count_step()
-        self._question = self.cfg.select == "question" and is_prefill and self._doc_read and self.span_len.length > 0
+        self._question = self.cfg.select == "question" and is_prefill and self._doc_read and self.span_len.length > 0 \
+            and not self._replay
         if self._question:
             self._begin_question(int(positions.shape[0]))
         self._step_zoom_k = self.zoom_k if not self.free_pool else self._free_zoom_k(int(positions.shape[0]))
-        if not is_prefill and self.cfg.select == "question":
+        if (not is_prefill or self._replay) and self.cfg.select == "question":
             self._step_zoom_k = min(self._step_zoom_k, self.step_slots)
 
     def _begin_question(self, n_new: int) -> None:
@@ -650,6 +662,24 @@ class SekvCache(CachePolicy):
             - self.exact_pos.length * self.token_bytes
         allowed = free / self.token_bytes * region / remaining
         return int(max(0.0, min(allowed, self.cfg.anchor_fraction * region)))
+
+    def replay_chunk_tokens(self) -> int:
+        """Tokens the next replayed chunk may hold: as many as decode steps would add before the pending rows
+        fold (the device room beside the pins was planned for that), or a prefill chunk without pins."""
+        if all(p is None for p in self._pins):
+            return self.chunk_tokens
+        return max(1, self.recent + self.l_max - self.pend_pos.length)
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Prefill chunks inside are an answer another engine decoded (the native one), fed back so this
+        memory holds it too: they attend with the answer's pins and the decode step's routed slots, and
+        are not a new question. Feed them in pieces of `replay_chunk_tokens`."""
+        self._replay = True
+        try:
+            yield
+        finally:
+            self._replay = False
 
     def finish_prefill(self) -> None:
         """Fold whatever left the recent window so the device tier is back to steady state; with
