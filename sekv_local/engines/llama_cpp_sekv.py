@@ -42,6 +42,8 @@ class LlamaCppSekvEngine(Engine):
         from ..native.memory_export import supported
 
         method_options = dict(options.method_options)
+        # the native memory adds an answer's rows until its decode room fills: the pins leave room for them
+        method_options.setdefault("answer_room", DECODE_ROOM)
         self.host_form = method_options.pop("host", "rows")
         if self.host_form not in HOST_FORMS:
             raise SekvError(f"engine 'llama.cpp': host must be one of {', '.join(HOST_FORMS)}, got {self.host_form!r}")

@@ -63,6 +63,9 @@ class SekvConfig:
     read_budget: host bytes a decode step may gather (routed spans' stored rows or factors): a fraction of the
         full-KV bytes (float <= 1) or bytes (int); "auto": 0.05 with select=question, unbounded with
         select=step. Caps the routed pool of a decode step; prefill chunks keep the device-sized pool.
+    answer_room: with select=question, the tokens an answer may add on the device before its rows fold into
+        spans: the room kept free beside the pins. "auto": l_max + 16 (the torch engine folds every l_max
+        decoded tokens); the llama.cpp engine sets its decode room, since it folds only when that fills.
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
     router: "auto" ("projection" when trained router parameters are loaded, else "attention"),
@@ -101,6 +104,7 @@ class SekvConfig:
     select: str = "question"
     pin_score: str = "max"
     read_budget: float | int | str = "auto"
+    answer_room: int | str = "auto"
     routing_dim: int = 32
     threshold: float = 0.05
     router: str = "auto"
@@ -131,6 +135,8 @@ class SekvConfig:
         need(self.read_budget == "auto" or (isinstance(self.read_budget, float) and 0 < self.read_budget <= 1)
              or (isinstance(self.read_budget, int) and not isinstance(self.read_budget, bool) and self.read_budget > 0),
              "read_budget must be 'auto', a fraction in (0, 1] or a positive number of bytes")
+        need(self.answer_room == "auto" or (isinstance(self.answer_room, int) and not isinstance(self.answer_room, bool)
+                                            and self.answer_room > 0), "answer_room must be 'auto' or a positive integer")
         need(self.routing_dim >= 2 and self.routing_dim % 2 == 0, "routing_dim must be an even number >= 2")
         need(0 < self.threshold < 1, "threshold must be in (0, 1)")
         need(self.share_layers >= 1, "share_layers must be >= 1")

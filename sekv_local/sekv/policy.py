@@ -297,7 +297,8 @@ class SekvCache(CachePolicy):
         c = self.config
         answer = math.ceil(_ANSWER_ROOM / max(self.l_min, 1)) * self.span_bytes \
             + int(self.cfg.anchor_fraction * _ANSWER_ROOM) * self.token_bytes
-        free = self.budget_bytes - self.device_bytes_now() - self._pending_growth(self.l_max + _ROW_STEP) - answer \
+        room = self.l_max + _ROW_STEP if self.cfg.answer_room == "auto" else self.cfg.answer_room
+        free = self.budget_bytes - self.device_bytes_now() - self._pending_growth(room) - answer \
             - self.zoom_pool_bytes(self.step_slots)
         return int(max(free, 0) // (c.n_layers * self.pin_row_bytes))
 
