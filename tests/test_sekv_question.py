@@ -100,13 +100,18 @@ def test_pins_and_routed_reads_stay_within_the_device_and_read_budgets(budget: f
     assert obs["pinned"] > 0 and obs["zoomed"] and obs["host_reads_per_step_bytes"] == round(reads.per_step)
 
 
-def test_rollback_drops_the_pins_and_the_next_question_pins_again() -> None:
-    rope = Rope(CFG)
-    sekv = create_policy("sekv", CFG, rope, budget=0.5, l_min=4, l_max=16, recent=16, select="question")
-    sekv.reserve(800)
-    gen = torch.Generator().manual_seed(1)
+def read_document(seed: int, reserve: int):
+    """A SeKV memory (50%, select=question) that has read an 800-token random document; its generator."""
+    sekv = create_policy("sekv", CFG, Rope(CFG), budget=0.5, l_min=4, l_max=16, recent=16, select="question")
+    sekv.reserve(reserve)
+    gen = torch.Generator().manual_seed(seed)
     feed([sekv], 800, 0, sekv.max_chunk_tokens(), True, gen)
     sekv.finish_prefill()
+    return sekv, gen
+
+
+def test_rollback_drops_the_pins_and_the_next_question_pins_again() -> None:
+    sekv, gen = read_document(seed=1, reserve=800)
     mark = sekv.mark()
     feed([sekv], 20, 800, 20, True, gen)
     sekv.finish_prefill()
@@ -123,12 +128,7 @@ def test_an_answer_fed_back_keeps_its_pins_and_its_device_budget() -> None:
     """The native engine feeds its decoded tokens back as prefill chunks (`replaying`): they are not a new
     question (the pins stay), they route the decode step's few slots, and in pieces of
     `replay_chunk_tokens` the device peak stays where decode steps keep it."""
-    rope = Rope(CFG)
-    sekv = create_policy("sekv", CFG, rope, budget=0.5, l_min=4, l_max=16, recent=16, select="question")
-    sekv.reserve(900)
-    gen = torch.Generator().manual_seed(2)
-    feed([sekv], 800, 0, sekv.max_chunk_tokens(), True, gen)
-    sekv.finish_prefill()
+    sekv, gen = read_document(seed=2, reserve=900)
     feed([sekv], 20, 800, 20, True, gen)
     sekv.finish_prefill()
     pins = [sekv.pins(layer) for layer in range(CFG.n_layers)]

@@ -78,7 +78,8 @@ class LlamaCppSekvEngine(Engine):
         cache = self.reference.cache
         with cache.replaying():
             while tokens:
-                piece, tokens = tokens[:cache.replay_chunk_tokens()], tokens[cache.replay_chunk_tokens():]
+                n = cache.replay_chunk_tokens()
+                piece, tokens = tokens[:n], tokens[n:]
                 logits = self.reference._forward(piece, prefill=True)
                 self.reference.n_tokens += len(piece)
         return logits
