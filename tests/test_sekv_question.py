@@ -150,6 +150,24 @@ def test_an_answer_fed_back_keeps_its_pins_and_its_device_budget() -> None:
     assert sekv.memory().device_peak_bytes <= sekv.budget_bytes
 
 
+def test_many_turns_and_a_question_longer_than_a_chunk_stay_within_the_device_budget() -> None:
+    """Turns of a chat: each answer folds its rows into spans (the pinned ones stay exact when the buffers'
+    growth fits, counted in whole growth steps), and a question three prefill chunks long folds what its
+    earlier chunks leave past the recent window, as a prefill would, instead of holding it all exact."""
+    sekv, gen = read_document(seed=3, reserve=2400)
+    position, pinned_turns = 800, 0
+    for turn in range(24):
+        n_question = 3 * sekv.max_chunk_tokens() if turn == 20 else 10 + turn % 7
+        feed([sekv], n_question, position, sekv.max_chunk_tokens(), True, gen)
+        sekv.finish_prefill()
+        pinned_turns += any(p is not None for p in sekv._pins)
+        position += n_question
+        feed([sekv], 12, position, 1, False, gen)
+        position += 12
+        assert sekv.memory().device_peak_bytes <= sekv.budget_bytes, f"turn {turn}"
+    assert pinned_turns == 24
+
+
 def test_the_native_engine_takes_both_selections() -> None:
     from sekv_local.native.memory_export import supported
 

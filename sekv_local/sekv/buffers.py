@@ -58,6 +58,14 @@ class RowBuffer:
         self.data[:, self.length: need] = rows.to(self.data.dtype)
         self.length = need
 
+    def growth_bytes(self, n: int) -> int:
+        """Bytes the allocation grows by when n more rows arrive (it grows in whole steps)."""
+        need = self.length + n
+        if need <= self.data.shape[1]:
+            return 0
+        rows = -(-need // self.step) * self.step - self.data.shape[1]
+        return rows * self.data.shape[0] * self.data.shape[2] * self.data.element_size()
+
     def drop_front(self, n: int) -> None:
         """Remove the first n rows (shift the rest down; capacity is kept)."""
         if n <= 0:

@@ -65,7 +65,8 @@ class SekvConfig:
         select=step. Caps the routed pool of a decode step; prefill chunks keep the device-sized pool.
     answer_room: with select=question, the tokens an answer may add on the device before its rows fold into
         spans: the room kept free beside the pins. "auto": l_max + 16 (the torch engine folds every l_max
-        decoded tokens); the llama.cpp engine sets its decode room, since it folds only when that fills.
+        decoded tokens); the llama.cpp engine sets its decode room, since it folds only when that fills. Never
+        more than a prefill chunk: an answer decoded outside this memory folds back one chunk at a time.
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
     router: "auto" ("projection" when trained router parameters are loaded, else "attention"),

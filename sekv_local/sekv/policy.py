@@ -257,6 +257,12 @@ class SekvCache(CachePolicy):
 
     # -- positions ---------------------------------------------------------------------------------
     def begin_chunk(self, positions: torch.Tensor, is_prefill: bool) -> None:
+        question = self.cfg.select == "question" and is_prefill and self._doc_read and self.span_len.length > 0 \
+            and not self._replay
+        if question and self.pend_pos.length - self.recent >= self.l_max:
+            # a question longer than a chunk: what its earlier chunks left past the recent window folds, as a
+            # prefill's would, so the pending rows stay within the room the plan holds for them
+            self._compress()
         self._positions = positions
         self._is_prefill = is_prefill
         self.pend_pos.append(positions)
@@ -267,8 +273,7 @@ class SekvCache(CachePolicy):
         self._q_cos_sin = self.rope.cos_sin(positions - self._shift)
         self._k_cos_sin = self._q_cos_sin if self._shift == 0 else self.rope.cos_sin(positions)
         self._count_step()
-        self._question = self.cfg.select == "question" and is_prefill and self._doc_read and self.span_len.length > 0 \
-            and not self._replay
+        self._question = question
         if self._question:
             self._begin_question(int(positions.shape[0]))
         self._step_zoom_k = self.zoom_k if not self.free_pool else self._free_zoom_k(int(positions.shape[0]))
@@ -295,9 +300,10 @@ class SekvCache(CachePolicy):
         now, the pending rows' growth until the answer's first compression, the summaries and anchors of
         an answer, and a decode step's routed pool."""
         c = self.config
-        answer = math.ceil(_ANSWER_ROOM / max(self.l_min, 1)) * self.span_bytes \
-            + int(self.cfg.anchor_fraction * _ANSWER_ROOM) * self.token_bytes
-        room = self.l_max + _ROW_STEP if self.cfg.answer_room == "auto" else self.cfg.answer_room
+        # the answer's summaries and anchors, plus one growth step of their buffers
+        answer = (math.ceil(_ANSWER_ROOM / max(self.l_min, 1)) + _ROW_STEP) * self.span_bytes \
+            + (int(self.cfg.anchor_fraction * _ANSWER_ROOM) + _ROW_STEP) * self.token_bytes
+        room = self.l_max + _ROW_STEP if self.cfg.answer_room == "auto" else min(self.cfg.answer_room, self.chunk_tokens)
         free = self.budget_bytes - self.device_bytes_now() - self._pending_growth(room) - answer \
             - self.zoom_pool_bytes(self.step_slots)
         return int(max(free, 0) // (c.n_layers * self.pin_row_bytes))
@@ -489,6 +495,8 @@ class SekvCache(CachePolicy):
         total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)  # [H, T]
         mass = question_span_score(torch.exp(torch.cat(span_lse, dim=-1) - total[..., None]), self.cfg.pin_score)
         before = self._question_mass[layer]  # a question longer than one chunk: its best mass per span
+        if before is not None:  # spans folded between its chunks had no mass from the earlier ones
+            before = torch.cat([before, before.new_zeros(mass.shape[0] - before.shape[0])])
         self._question_mass[layer] = mass if before is None else torch.maximum(before, mass)
         return merge_attention(parts)
 
@@ -505,13 +513,19 @@ class SekvCache(CachePolicy):
         self._question_mass = [None] * self.config.n_layers
         self._note_peak()
 
-    def _pinned_fold_fits(self, n_rows: int) -> bool:
-        """Whether the pins can take n_rows more rows on every layer (the tokens a fold turns into spans during
-        an answer) beside a decode step's routed pool, within the device budget."""
+    def _pinned_fold_fits(self, n_spans: int, n_anchors: int, n_rows: int) -> bool:
+        """Whether a fold during an answer (n_spans new spans, n_anchors anchors, n_rows rows that would stay
+        pinned on every layer) fits beside a decode step's routed pool within the device budget, counting what
+        each buffer's allocation grows by (they grow in whole steps)."""
         if all(p is None for p in self._pins):
             return False
-        need = self.device_bytes_now() + self.config.n_layers * n_rows * self.pin_row_bytes \
-            + self.zoom_pool_bytes(self.step_slots)
+        growth = sum(buf.growth_bytes(n) for L in self.layers
+                     for buf, n in ((L.exact_k, n_anchors), (L.exact_v, n_anchors), (L.sum_k, n_spans),
+                                    (L.sum_v, n_spans), (L.route_k, n_spans), (L.bound_k, n_spans if self._bounds else 0)))
+        growth += self.exact_pos.growth_bytes(n_anchors) + self.span_pos.growth_bytes(n_spans) \
+            + self.span_len.growth_bytes(n_spans)
+        pins = self.config.n_layers * (n_rows * self.pin_row_bytes + n_spans)  # rows, positions and span masks
+        need = self.device_bytes_now() + growth + pins + self.zoom_pool_bytes(self.step_slots)
         return need <= self.budget_bytes
 
     def _pin(self, layer: int, L: _Layer, take: torch.Tensor) -> None:
@@ -567,7 +581,8 @@ class SekvCache(CachePolicy):
         centers = pos[seg.span_start] + seg.span_len // 2
         unrotate = self.rope.cos_sin(-pos)
         window_rows: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # sekv+xkv: the window's spans
-        keep_pinned = self._pinned_fold_fits(seg.consumed - int(seg.anchors.numel()))
+        n_anchors = int(seg.anchors.numel())
+        keep_pinned = self._pinned_fold_fits(int(seg.span_len.numel()), n_anchors, seg.consumed - n_anchors)
         for layer_no, layer in enumerate(self.layers):
             if self._bounds:
                 layer.bound_k.append(key_bounds(layer.pend_k.view()[:, idx].float(), in_span))  # own positions
