@@ -438,3 +438,24 @@ def test_the_packaged_gemma_router_drives_sekv_on_the_global_layers(gemma_path, 
     params = load_router(packaged_routers_dir() / "gemma3-270m.safetensors")
     with pytest.raises(RouterFileError, match="n_layers 3 \\(model: 18\\)"):
         build_router(params, engine.config)
+
+
+def test_reports_divide_by_what_full_kv_holds_with_window_layers() -> None:
+    """Window layers hold only their window: full KV of 100 tokens on TINY holds 100 rows on the global layer
+    and 8 on each local one, and a report states the device tier against that as well as against every
+    layer at full context; device + host is the total a CPU holds."""
+    per_row = 2 * TINY.n_kv_heads * TINY.head_dim * 2
+    assert TINY.full_kv_held_bytes(100) == (100 + 8 + 8) * per_row
+    assert TINY.full_kv_bytes(100) == 300 * per_row
+    policy = create_policy("sekv", TINY, Rope(TINY), budget=10**7, l_min=4, l_max=8, recent=8)
+    policy.reserve(100)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = ([torch.randn(h, 100, 16, generator=g) for _ in range(3)] for h in (4, 2, 2))
+    feed(policy, list(q), list(k), list(v), 0, [50, 50])
+    policy.finish_prefill()
+    report = policy.memory()
+    data = report.as_dict()
+    assert data["full_kv_held_bytes"] == TINY.full_kv_held_bytes(100)
+    assert data["device_fraction_of_held"] == pytest.approx(report.device_bytes / TINY.full_kv_held_bytes(100), abs=1e-5)
+    assert data["device_fraction_of_held"] > 2 * data["device_fraction"]
+    assert data["total_bytes"] == report.device_bytes + report.host_bytes > report.device_bytes

@@ -406,23 +406,26 @@ def test_trained_rank_gate_sets_the_span_rank_unless_switched_off(rank_gate: boo
 
 
 def test_token_surprisal_equals_the_log_softmax_definition() -> None:
-    """-log p(x_t | x_<t): row t - 1 of the chunk predicts token t, the previous chunk's last row predicts
-    token 0; computed from each row's log-normaliser without a [T, V] log_softmax."""
+    """-log p(x_t | x_<t): row t - 1 of the chunk predicts token t; token 0's comes from the caller (the engine
+    holds the previous chunk's last row); computed from each row's log-normaliser without a [T, V]
+    log_softmax."""
+    from sekv_local.models.transformer import ChunkScores
     from sekv_local.sekv.segmentation import token_surprisal
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 7, 50, generator=g) * 4  # two chunks of 7 tokens, vocabulary 50
     ids = torch.randint(0, 50, (2, 7), generator=g)
-    first, prev = token_surprisal(logits[0], ids[0], None)
-    second, last = token_surprisal(logits[1], ids[1], prev)
     whole = torch.log_softmax(logits.reshape(14, 50).double(), dim=-1)
     flat = ids.reshape(14)
     expected = torch.cat([torch.zeros(1, dtype=torch.float64), -whole[:-1].gather(1, flat[1:, None])[:, 0]])
+    first = token_surprisal(logits[0], ids[0])
+    scores = ChunkScores.from_logits(logits[1], ids[1])
+    scores.first_nll = float(-whole[6, ids[1, 0]])
+    second = token_surprisal(scores, ids[1])
     assert torch.allclose(torch.cat([first, second]).double(), expected, atol=1e-5)
     assert first[0] == 0 and second[0] > 0
-    assert torch.allclose(last.double(), whole[-1], atol=1e-5)
-    one_row, _ = token_surprisal(logits[1, -1:], ids[1], prev)  # "last" logits: only token 0 is predicted
-    assert one_row[0] == second[0] and torch.count_nonzero(one_row[1:]) == 0
+    one_row = token_surprisal(logits[1, -1:], ids[1])  # "last" logits: nothing in the chunk is predicted
+    assert torch.count_nonzero(one_row) == 0
 
 
 def test_union_router_takes_half_the_pool_from_each_rule() -> None:

@@ -87,7 +87,7 @@ class ChatApp(App[None]):
     #side { width: 44; border-left: solid $primary-darken-2; padding: 0 1; }
     .side-title { text-style: bold; color: $accent; margin-top: 1; }
     #doc-info { height: auto; }
-    #memory { height: 3; }
+    #memory { height: 4; }
     #docmap { margin-top: 0; }
     #docmap:focus { background: $boost; }
     #passage-box { height: 1fr; border: round $primary-darken-2; }

@@ -101,8 +101,11 @@ class MemoryBars(Static):
         if not memory:
             self.update(Text("memory: not measured yet", style="dim"))
             return
-        rows = [("device", memory.get("device_bytes", 0), "green"), ("host", memory.get("host_bytes", 0), "cyan"),
-                ("full KV", memory.get("full_kv_bytes", 0), "magenta")]
+        device, host = memory.get("device_bytes", 0), memory.get("host_bytes", 0)
+        # on a CPU both tiers are the same RAM: their sum is what the process holds; full KV as it is held
+        # (a model's sliding-window layers keep only their window)
+        rows = [("device", device, "green"), ("host", host, "cyan"), ("total", device + host, "yellow"),
+                ("full KV", memory.get("full_kv_held_bytes") or memory.get("full_kv_bytes", 0), "magenta")]
         top = max(max(v for _, v, _ in rows), 1)
         width = max(self.size.width - 19, 4) if self.size.width else 12
         out = Text()

@@ -57,12 +57,16 @@ class HostReads:
 
 @dataclass
 class MemoryReport:
-    """DESIGN §4 accounting, from real tensor storage.
+    """What a method holds, from real tensor storage.
 
     device_bytes: what stays on the accelerator across decode steps now (per layer in `device_per_layer`).
     device_peak_bytes: the largest device tier seen so far, prefill and zoom working sets included.
     host_bytes: what is parked in host RAM (e.g. SVD factors).
-    full_kv_bytes: f16 full-KV bytes for the same number of tokens (the baseline).
+    full_kv_bytes: f16 full-KV bytes for the same number of tokens, every layer at full context (the
+        baseline budgets are shares of).
+    full_kv_held_bytes: what full KV itself holds for those tokens: window layers at their window (equal to
+        full_kv_bytes on a model without them; 0 means not given, read as full_kv_bytes).
+    On a CPU the device and host tiers are the same RAM: `total_bytes` is what the process holds for it.
     """
 
     tokens: int
@@ -73,6 +77,25 @@ class MemoryReport:
     device_per_layer: list[int] = field(default_factory=list)
     host_per_layer: list[int] = field(default_factory=list)
     host_reads: HostReads = field(default_factory=HostReads)
+    full_kv_held_bytes: int = 0
+
+    @property
+    def held_baseline(self) -> int:
+        return self.full_kv_held_bytes or self.full_kv_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Device and host tiers together (one RAM on a CPU)."""
+        return self.device_bytes + self.host_bytes
+
+    @property
+    def device_fraction_of_held(self) -> float:
+        """The device tier as a share of what full KV holds (window layers at their window)."""
+        return self.device_bytes / self.held_baseline if self.held_baseline else 0.0
+
+    @property
+    def total_fraction_of_held(self) -> float:
+        return self.total_bytes / self.held_baseline if self.held_baseline else 0.0
 
     @property
     def host_reads_per_step_fraction(self) -> float:
@@ -107,6 +130,12 @@ class MemoryReport:
             "host_reads_per_step_fraction": round(self.host_reads_per_step_fraction, 5),
             "host_reads_steps": self.host_reads.steps,
             "host_reads_question_bytes": self.host_reads.question_bytes,
+            "full_kv_held_bytes": self.held_baseline,
+            "device_fraction_of_held": round(self.device_fraction_of_held, 5),
+            "device_peak_fraction_of_held": round(self.device_peak_bytes / self.held_baseline, 5)
+            if self.held_baseline else 0.0,
+            "total_bytes": self.total_bytes,
+            "total_fraction_of_held": round(self.total_fraction_of_held, 5),
         }
 
 
@@ -123,8 +152,9 @@ class CachePolicy(ABC):
     """
 
     name: str = "base"
-    #: whether `end_chunk` needs logits for every prefill token (e.g. SeKV's surprisal)
-    needs_all_logits: bool = False
+    #: whether `end_chunk` needs every prefill token's next-token score (e.g. SeKV's surprisal): then it gets a
+    #: ChunkScores, computed without a [T, vocab] tensor
+    needs_token_scores: bool = False
     #: whether the method handles local (sliding-window) layers with their own RoPE
     supports_sliding_window: bool = False
 
@@ -174,7 +204,8 @@ class CachePolicy(ABC):
         [n_heads, T, head_dim] of q over (memory + this chunk), causal within the chunk."""
 
     def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
-        """Called after all layers; `logits` [T, vocab] or [1, vocab] (last only)."""
+        """Called after all layers; `logits`: a prefill chunk's ChunkScores when `needs_token_scores`, otherwise
+        logits [1, vocab] (last only) or [T, vocab], or None."""
         self.n_tokens += int(token_ids.shape[0])
         self._note_peak()
 
@@ -252,6 +283,7 @@ class CachePolicy(ABC):
             device_per_layer=dev,
             host_per_layer=host,
             host_reads=HostReads(**vars(self.host_reads)),
+            full_kv_held_bytes=self.config.full_kv_held_bytes(self.n_tokens),
         )
 
     def observations(self) -> dict[str, Any]:

@@ -50,7 +50,7 @@ class MixedLayers(CachePolicy):
         share = self._inner_budget(config.context_length, chunk=config.sliding_window)
         self.inner = factory(config=global_config, rope=Rope(global_config), device=device, budget=share, **options)
         self.name = self.inner.name
-        self.needs_all_logits = self.inner.needs_all_logits
+        self.needs_token_scores = self.inner.needs_token_scores
         self._causal_local = CausalBias(self.device, window=config.sliding_window)
         self._window_peak = 0
         self.reserve(config.context_length)
@@ -186,4 +186,5 @@ class MixedLayers(CachePolicy):
         return MemoryReport(tokens=self.n_tokens, device_bytes=sum(dev),
                             device_peak_bytes=inner.device_peak_bytes + max(self._window_peak, windows),
                             host_bytes=sum(host), full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
-                            device_per_layer=dev, host_per_layer=host, host_reads=inner.host_reads)
+                            device_per_layer=dev, host_per_layer=host, host_reads=inner.host_reads,
+                            full_kv_held_bytes=self.config.full_kv_held_bytes(self.n_tokens))

@@ -160,14 +160,20 @@ class LlamaCppSekvEngine(Engine):
     def memory(self) -> MemoryReport:
         """The native memory's real buffers once decoding has started (device tier: exact rows, span
         summaries and metadata, plus the step's compute buffer at its peak; host tier: span rows and
-        factors); before that, the torch memory that will be imported."""
+        factors), plus the torch memory it was imported from, which stays alive beside it (answers fold back
+        into it): in host RAM when torch runs on the CPU, on the device otherwise. Before decoding, the torch
+        memory that will be imported."""
         ref = self.reference.memory()
         if self.native is None:
             return ref
         b = self.native.bytes()
-        return MemoryReport(tokens=self.n_tokens, device_bytes=b.device, device_peak_bytes=max(ref.device_peak_bytes,
-                            self._native_peak), host_bytes=b.host, full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
-                            host_reads=ref.host_reads)
+        on_device = torch.device(self.reference.device).type != "cpu"
+        torch_device = ref.device_bytes if on_device else 0
+        return MemoryReport(tokens=self.n_tokens, device_bytes=b.device + torch_device,
+                            device_peak_bytes=max(ref.device_peak_bytes, self._native_peak) + torch_device,
+                            host_bytes=b.host + ref.host_bytes + (0 if on_device else ref.device_bytes),
+                            full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
+                            host_reads=ref.host_reads, full_kv_held_bytes=ref.full_kv_held_bytes)
 
     def score(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         self.reset()

@@ -163,6 +163,7 @@ class LlamaCppStockEngine(Engine):
             device_peak_bytes=total,
             host_bytes=0,
             full_kv_bytes=cfg.full_kv_bytes(self.n_tokens),
+            full_kv_held_bytes=cfg.full_kv_held_bytes(self.n_tokens),
             device_per_layer=[per_layer] * cfg.n_layers,
             host_per_layer=[0] * cfg.n_layers,
         )

@@ -127,10 +127,19 @@ class TorchEngine(Engine):
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(self.n_tokens, self.n_tokens + len(tokens), device=self.device)
         self.cache.begin_chunk(positions, is_prefill=prefill)
-        want_all = prefill and self.cache.needs_all_logits
-        logits = self.model(ids, self.cache, logits="all" if want_all else "last")
-        self.cache.end_chunk(logits, ids)
-        return logits[-1].float().cpu().numpy()
+        if self.cache.needs_token_scores:
+            scores = self.model(ids, self.cache, logits="scores")
+            if self._last_logits is not None:  # the row before the chunk predicted its first token
+                previous = torch.from_numpy(self._last_logits)
+                scores.first_nll = float(torch.logsumexp(previous, dim=-1) - previous[int(tokens[0])])
+            self.cache.end_chunk(scores, ids)
+            last = scores.last
+        else:
+            last = self.model(ids, self.cache, logits="last")
+            self.cache.end_chunk(last, ids)
+        # kept here too, not only by `feed`: the llama.cpp engine calls this directly to fold answers back
+        self._last_logits = last[-1].float().cpu().numpy()
+        return self._last_logits
 
     @torch.inference_mode()
     def continuation_logprobs(self, tokens: list[int]) -> np.ndarray:
@@ -144,12 +153,12 @@ class TorchEngine(Engine):
             ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
             self.cache.begin_chunk(torch.arange(self.n_tokens, self.n_tokens + len(chunk), device=self.device),
                                    is_prefill=True)
-            logits = self.model(ids, self.cache, logits="all").float()
-            self.cache.end_chunk(logits, ids)
+            scores = self.model(ids, self.cache, logits="scores")
+            self.cache.end_chunk(scores, ids)
             self.n_tokens += len(chunk)
-            predictors = torch.cat([previous, logits[:-1].cpu()])  # logits that predict each chunk token
-            out.append(torch.log_softmax(predictors, dim=-1).gather(1, ids.cpu()[:, None])[:, 0].numpy())
-            previous = logits[-1:].cpu()
+            first = torch.log_softmax(previous.float(), dim=-1)[0, int(chunk[0])].view(1)
+            out.append(torch.cat([first, -scores.nll.cpu()]).numpy())
+            previous = scores.last.float().cpu()
         self._last_logits = previous[0].numpy()
         return np.concatenate(out)
 

@@ -103,5 +103,12 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     def full_kv_bytes(self, n_tokens: int) -> int:
-        """DESIGN §4 baseline: tokens x layers x 2 (K,V) x kv_heads x head_dim x 2 bytes (f16)."""
+        """The baseline every budget is a share of: tokens x layers x 2 (K,V) x kv_heads x head_dim x 2 bytes
+        (f16), every layer at full context."""
         return n_tokens * self.n_layers * 2 * self.n_kv_heads * self.head_dim * 2
+
+    def full_kv_held_bytes(self, n_tokens: int) -> int:
+        """What full KV actually holds for n_tokens: sliding-window layers keep only their window (Gemma 3's
+        local layers: 512 tokens), so on such a model it is far less than `full_kv_bytes`."""
+        rows = sum(min(n_tokens, self.window(layer) or n_tokens) for layer in range(self.n_layers))
+        return rows * 2 * self.n_kv_heads * self.head_dim * 2

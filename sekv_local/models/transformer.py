@@ -9,6 +9,7 @@ policy's job). GGUF norm weights already include Gemma's +1, so every norm is a 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -25,6 +26,34 @@ if TYPE_CHECKING:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., n] with weight [n]."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+#: logits rows computed at once when only each row's log-normaliser and one gathered logit are needed
+SCORE_BLOCK_BYTES = 4 * 2**20
+
+
+@dataclass
+class ChunkScores:
+    """What a chunk's logits say about its own tokens, computed without a [T, vocab] tensor.
+
+    last: [1, vocab] the last row's logits (they predict the next token); nll: [T - 1] float32,
+    -log p(tokens[t + 1] | tokens[..t]) for t < T - 1; first_nll: -log p(tokens[0]) from the row before the
+    chunk, which only the caller has (None: unknown).
+    """
+
+    last: torch.Tensor
+    nll: torch.Tensor
+    first_nll: float | None = None
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, tokens: torch.Tensor) -> "ChunkScores":
+        """From logits [T, vocab] that exist anyway (or [1, vocab]: the last row only, no nll)."""
+        logits = logits.float()
+        T = int(tokens.shape[0])
+        if logits.shape[0] != T or T < 2:
+            return cls(logits[-1:], logits.new_zeros(0))
+        nll = torch.logsumexp(logits[:-1], dim=-1) - logits[:-1].gather(1, tokens[1:, None].to(logits.device))[:, 0]
+        return cls(logits[-1:], nll)
 
 
 class DecoderLayer(nn.Module):
@@ -98,13 +127,14 @@ class Transformer(nn.Module):
         return model.to(device)
 
     def forward(self, tokens: torch.Tensor | None, cache: "CachePolicy",
-                logits: Literal["last", "all", "none"] = "last",
-                embeddings: torch.Tensor | None = None) -> torch.Tensor | None:
+                logits: Literal["last", "all", "none", "scores"] = "last",
+                embeddings: torch.Tensor | None = None) -> torch.Tensor | ChunkScores | None:
         """Run `tokens` [T] (positions come from the cache's begin_chunk) through all layers.
 
         embeddings [T, n_embd]: input vectors in the embedding table's space, instead of `tokens`
         (Meta-Soft's soft tokens); the model's embedding scale applies to them as to looked-up rows.
-        Returns logits [T, vocab] ("all"), [1, vocab] ("last") or None ("none").
+        Returns logits [T, vocab] ("all"), [1, vocab] ("last"), None ("none") or, for "scores", the
+        chunk's ChunkScores (`tokens` needed), whose logits rows exist only a block at a time.
         """
         cfg = self.config
         H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -139,11 +169,26 @@ class Transformer(nn.Module):
         if logits == "last":
             x = x[-1:]
         x = rms_norm(x, self.out_norm, cfg.rms_eps)
-        head = self.lm_head if self.lm_head is not None else self.embed
-        out = F.linear(x, head)  # [T or 1, vocab]
-        if cfg.final_logit_softcap > 0:
-            out = torch.tanh(out / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return out
+        if logits == "scores":
+            return self._scores(x, tokens)
+        return self._head(x)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [N, n_embd] -> logits [N, vocab]."""
+        out = F.linear(x, self.lm_head if self.lm_head is not None else self.embed)
+        cap = self.config.final_logit_softcap
+        return torch.tanh(out / cap) * cap if cap > 0 else out
+
+    def _scores(self, x: torch.Tensor, tokens: torch.Tensor) -> ChunkScores:
+        """x [T, n_embd] final-normed -> ChunkScores, one block of logits rows at a time."""
+        T = x.shape[0]
+        rows = max(1, SCORE_BLOCK_BYTES // (4 * self.config.vocab_size))
+        nll = torch.empty(max(T - 1, 0), dtype=torch.float32, device=x.device)
+        for first in range(0, T - 1, rows):
+            block = self._head(x[first: min(first + rows, T - 1)]).float()  # [b, vocab]
+            target = tokens[first + 1: first + 1 + block.shape[0], None]
+            nll[first: first + block.shape[0]] = torch.logsumexp(block, dim=-1) - block.gather(1, target)[:, 0]
+        return ChunkScores(self._head(x[-1:]), nll)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ class _Layer:
 
 class SekvCache(CachePolicy):
     name = "sekv"
-    needs_all_logits = True
+    needs_token_scores = True
 
     def __init__(self, config: ModelConfig, rope: Rope, device: torch.device | str = "cpu",
                  budget: float | int | None = 0.25, router_module: Router | None = None,
@@ -103,7 +103,6 @@ class SekvCache(CachePolicy):
         self.span_pos = VecBuffer(torch.long, dev, step)
         self.span_len = VecBuffer(torch.long, dev, step)
         self.stats = RunningStats()
-        self._prev_logprobs: torch.Tensor | None = None
         self._zoom_events: list[tuple[int, torch.Tensor]] = []
         self._step_zoom_k = 0  # this step's pool (the planned one, or more with pool=free)
         self._shift = 0
@@ -233,7 +232,7 @@ class SekvCache(CachePolicy):
             f"sekv: a budget of {self.budget_bytes / 2**20:.1f} MiB ({self.budget_bytes / full:.1%} of full KV for "
             f"{self.planned_tokens} tokens) cannot hold even the minimum: recent window, prefill chunk and zoom pool "
             f"need {fixed / 2**20:.1f} MiB and span summaries at least {(best - fixed) / 2**20:.1f} MiB. "
-            f"Use a budget of at least {best / full:.0%} (e.g. --budget {min(1.0, 1.25 * best / full):.2f}).")
+            f"Use a budget of at least {math.ceil(100 * best / full)}% (e.g. --budget {min(1.0, 1.25 * best / full):.2f}).")
 
     @property
     def zoom_dtype(self) -> torch.dtype:
@@ -549,7 +548,7 @@ class SekvCache(CachePolicy):
         T = int(token_ids.shape[0])
         surprisal = torch.zeros(T)
         if logits is not None:
-            surprisal, self._prev_logprobs = token_surprisal(logits, token_ids, self._prev_logprobs)
+            surprisal = token_surprisal(logits, token_ids)
         self.pend_surprisal.append(surprisal.to(self.device))
         self.n_tokens += T
         # every layer has appended this chunk; at most one layer's rebuilt rows exist at a time
@@ -715,14 +714,13 @@ class SekvCache(CachePolicy):
     def mark(self) -> dict[str, Any]:
         return {
             "n_tokens": self.n_tokens, "stats": self.stats.copy(), "doc_read": self._doc_read,
-            "prev": None if self._prev_logprobs is None else self._prev_logprobs.clone(),
             "exact": self.exact_pos.length, "spans": self.span_len.length,
             "pend_pos": self.pend_pos.view().clone(), "pend_s": self.pend_surprisal.view().clone(),
             "pend": [(l.pend_k.view().clone(), l.pend_v.view().clone()) for l in self.layers],
         }
 
     def rollback(self, mark: dict[str, Any]) -> None:
-        self.n_tokens, self.stats, self._prev_logprobs = mark["n_tokens"], mark["stats"].copy(), mark["prev"]
+        self.n_tokens, self.stats = mark["n_tokens"], mark["stats"].copy()
         self._doc_read = mark["doc_read"]
         self._pins = [None] * self.config.n_layers
         self._question_mass = [None] * self.config.n_layers
@@ -758,8 +756,6 @@ class SekvCache(CachePolicy):
                 tensors.update(layer.fac_k.export_state(f"L{i}.fac_k"))
                 tensors.update(layer.fac_v.export_state(f"L{i}.fac_v"))
         tensors.update({f"router.{k}": v.detach() for k, v in self.router.state_dict().items()})
-        if self._prev_logprobs is not None:
-            tensors["prev_logprobs"] = self._prev_logprobs
         meta = {"n_tokens": self.n_tokens, "planned_tokens": self.planned_tokens, "l_min": self.l_min,
                 "stats": [self.stats.count, self.stats.mean, self.stats.m2], "router_trained": self.router.trained,
                 "router_auto": dict(self.router.auto_choices)}
@@ -782,7 +778,6 @@ class SekvCache(CachePolicy):
                     and layer.sum_k.length == layer.route_k.length == self.span_len.length == layer.fac_k.n_spans
                     and layer.bound_k.length == (self.span_len.length if self._bounds else 0)):
                 raise ValueError(f"layer {i}: row counts disagree with the saved positions")
-        self._prev_logprobs = tensors.get("prev_logprobs")
         count, mean, m2 = meta["stats"]
         self.stats = RunningStats(int(count), float(mean), float(m2))
         self.n_tokens = int(meta["n_tokens"])

@@ -6,26 +6,25 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.transformer import ChunkScores
 
-def token_surprisal(logits: torch.Tensor, token_ids: torch.Tensor,
-                    prev_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Surprisal -log p(x_t | x_<t) of a chunk's tokens from its prefill logits.
 
-    logits [T, V] (row t predicts token t + 1), token_ids [T], prev_logprobs [V]: the previous chunk's
-    last row as log-probabilities (None at the start). Returns (surprisal [T] float32 on the CPU, zero
-    where nothing predicted the token; this chunk's last row as log-probabilities [V]). Only the
-    log-normaliser of every row and one gathered logit are needed: a [T, V] log_softmax would be as large
-    as the logits (with Gemma 3's 262K vocabulary it was 14% of a SeKV prefill).
+def token_surprisal(logits: torch.Tensor | ChunkScores, token_ids: torch.Tensor) -> torch.Tensor:
+    """Surprisal -log p(x_t | x_<t) of a chunk's tokens -> [T] float32 on the CPU, zero where nothing
+    predicted the token.
+
+    logits: the chunk's ChunkScores (row log-normalisers and gathered logits: the prefill computes no
+    [T, V] tensor for them; the engine fills in the first token's from the previous chunk's last row), or
+    logits [T, V] / [1, V] (row t predicts token t + 1); token_ids [T].
     """
+    scores = logits if isinstance(logits, ChunkScores) else ChunkScores.from_logits(logits, token_ids)
     T = int(token_ids.shape[0])
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)  # [T or 1]
     surprisal = torch.zeros(T)
-    if prev_logprobs is not None:
-        surprisal[0] = -prev_logprobs[token_ids[0]]
-    if logits.shape[0] == T and T > 1:
-        surprisal[1:] = (lse[:-1] - logits[:-1].gather(1, token_ids[1:, None])[:, 0]).cpu()
-    return surprisal, logits[-1] - lse[-1]
+    if scores.first_nll is not None:
+        surprisal[0] = scores.first_nll
+    if T > 1 and scores.nll.shape[0] == T - 1:
+        surprisal[1:] = scores.nll.cpu()
+    return surprisal
 
 
 @dataclass

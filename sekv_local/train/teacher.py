@@ -82,7 +82,7 @@ def run_teacher(model: Transformer, rope: Rope, context: list[int], query: list[
     cache = _RecordingCache(model, rope, len(query), feature_layers)
     cache.begin_chunk(torch.arange(len(ids)), is_prefill=True)
     logits = model(ids, cache, logits="all").float()
-    surprisal, _ = token_surprisal(logits[: len(context)], ids[: len(context)], None)
+    surprisal = token_surprisal(logits[: len(context)], ids[: len(context)])
     return TeacherRecord(len(context), ids[len(context):], cache.k, cache.v, cache.q,
                          logits[len(context):], surprisal,
                          torch.stack(cache.features).flatten() if cache.features else None)
