@@ -153,7 +153,7 @@ def test_every_method_compresses_the_global_layers_and_keeps_the_windows_exact()
 
 
 def test_a_fraction_compresses_the_global_layers_to_that_fraction() -> None:
-    """With most layers windowed, f of DESIGN §4's full-KV bytes can exceed what the model holds at all;
+    """With most layers windowed, f of docs/DESIGN.md §4's full-KV bytes can exceed what the model holds at all;
     the global layers get f of their own bytes, and the device tier stays within f of full-KV bytes."""
     n, c, f = 400, TINY, 0.3
     g = torch.Generator().manual_seed(0)

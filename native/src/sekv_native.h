@@ -88,7 +88,7 @@ SEKV_API int sekv_memory_set_spans(sekv_memory * memory, const int32_t * start, 
 /* How one layer stores the keys (or values) of its spans. is_raw int32 [S]: 1 = stored raw, 0 = as
  * factors; the i-th factored span is u[i], w[i], the i-th raw span raw[i] (in span order).
  * u [n_factored_here][KV][l][R], w [..][KV][D][R] (W transposed): rows = U W;
- * raw [n_raw_here][KV][l][D] for keys (pre-RoPE), [n_raw_here][KV][D][l] for values (transposed).
+ * raw [n_raw_here][KV][l][D] for keys (rotated at their own positions by the export), [n_raw_here][KV][D][l] for values (transposed).
  * Rows past a span's length are zero. */
 typedef struct sekv_span_rows {
     const int32_t * is_raw;

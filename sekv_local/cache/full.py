@@ -23,7 +23,7 @@ _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 @dataclass(frozen=True)
 class FullConfig:
-    """dtype: storage type of cached K/V ("f16" matches the full-KV baseline of DESIGN §4).
+    """dtype: storage type of cached K/V ("f16" matches the full-KV baseline of docs/DESIGN.md §4).
     grow_tokens: capacity is allocated in steps of this many tokens (the slack is counted as used).
     max_tokens: most tokens accepted; 0 = the model's trained context. Larger values run positions the
     model never saw (the reference for "beyond the trained context" measurements)."""

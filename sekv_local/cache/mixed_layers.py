@@ -5,10 +5,10 @@ same) and count in the device tier; the method compresses the global layers, whi
 model of its own (the same dims, `n_layers` = the global layers, no local ones).
 
 A fractional budget f caps the device tier at the smaller of
-  * f x the full-KV bytes of *all* layers (DESIGN §4), and
+  * f x the full-KV bytes of *all* layers (docs/DESIGN.md §4), and
   * the windows + f x the full-KV bytes of the global layers (what the method can compress).
 The second bound matters: with 5 of 6 layers windowed, the SWA cache itself holds only about 17-21%
-of DESIGN §4's full-KV bytes at 16-32K tokens, so by the first bound alone a 25% budget would compress
+of docs/DESIGN.md §4's full-KV bytes at 16-32K tokens, so by the first bound alone a 25% budget would compress
 nothing. A byte budget is the device limit as given. Either way the windows' bytes come off first
 and the method gets the rest as an absolute budget.
 """

@@ -1,4 +1,4 @@
-"""`xkv`: cross-layer SVD of the KV cache with selective reconstruction (DESIGN §6, METHODS.md).
+"""`xkv`: cross-layer SVD of the KV cache with selective reconstruction (docs/DESIGN.md §6, §8).
 
 For each window of G adjacent layers the pre-RoPE keys of all its KV heads are concatenated along
 features, X_k [T, G*KV*D], and kept as X_k ~= A_k B_k: a token basis A_k [T, r_k] shared by the G

@@ -1,4 +1,4 @@
-"""All SeKV settings in one validated dataclass (defaults from the authors' config, METHODS.md)."""
+"""All SeKV settings in one validated dataclass (defaults: docs/DESIGN.md §8)."""
 
 from __future__ import annotations
 
@@ -70,14 +70,14 @@ class SekvConfig:
     routing_dim: d', the routing space; the untrained projection keeps the d' lowest-frequency RoPE dims.
     threshold: initial per-head zoom threshold on sigmoid relevance.
     router: "auto" ("projection" when trained router parameters are loaded, else "attention"),
-        "projection" (DESIGN §5.4 formula through the Router module) or "attention" (zoom where the
+        "projection" (docs/DESIGN.md §5.4 formula through the Router module) or "attention" (zoom where the
         coarse summary rows get the most attention logit; training-free) or "bounds" (Quest-style: per span
         the element-wise min and max of its keys give an upper bound of q.k over its tokens; 2*head_dim more
         device values per span and KV head, training-free) or "union" (half the zoom pool by the attention
         rule, the other half by the learned router: the two choose different spans, see RESULTS "Gemma 3").
     share_layers: G > 1 factors each span jointly over G adjacent layers and all KV heads (one token basis
         per span for the window, xKV's cross-layer sharing applied to span factors: `sekv+xkv`).
-    summary_bias: multiplier of the +log|S| bias of unexpanded spans' summary rows (1 = DESIGN §5.5;
+    summary_bias: multiplier of the +log|S| bias of unexpanded spans' summary rows (1 = docs/DESIGN.md §5.5;
         0 = drop unexpanded spans from attention, an ablation).
     positions: "original" keeps every token's own position; "bounded" places all memory (spans,
         anchors) at positions inside the trained window (InfLLM-style), for documents longer than it.

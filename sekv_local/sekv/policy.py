@@ -1,4 +1,4 @@
-"""`sekv`: the SeKV cache policy (DESIGN §5) behind the common CachePolicy interface.
+"""`sekv`: the SeKV cache policy (docs/DESIGN.md §5) behind the common CachePolicy interface.
 
 Per layer the device tier holds: exact tokens (attention sinks and anchors), the pending tokens
 (recent window, the current prefill chunk, question and generated tokens, all exact), and per span
@@ -134,7 +134,7 @@ class SekvCache(CachePolicy):
     # -- budget ------------------------------------------------------------------------------------
     @property
     def token_bytes(self) -> int:
-        """Device bytes of one exact token over all layers (K and V, pre-RoPE) plus its position."""
+        """Device bytes of one exact token over all layers (K post-RoPE at its own position, V) plus its position."""
         c = self.config
         return c.n_layers * 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
 

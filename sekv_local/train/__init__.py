@@ -1,4 +1,4 @@
-"""Training SeKV's router against the frozen model's own full-KV behaviour (DESIGN §5.6).
+"""Training SeKV's router against the frozen model's own full-KV behaviour (docs/DESIGN.md §5.6).
 
 `data` makes training samples locally (stdlib docstrings, disjoint from the evaluation's pydoc
 haystacks, and retrieval questions on seeds the evaluation never uses); `teacher` runs the frozen

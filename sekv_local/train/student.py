@@ -216,7 +216,7 @@ class StepLosses:
 
 def student_losses(model: Any, rope: Rope, router: Router, cfg: SekvConfig, record: TeacherRecord,
                    weights: LossWeights) -> StepLosses:
-    """Run the query tokens through the student and combine the four losses (DESIGN §5.6)."""
+    """Run the query tokens through the student and combine the four losses (docs/DESIGN.md §5.6)."""
     layout = layout_spans(record.surprisal, cfg)
     cache = SoftSekvCache(record, rope, router, cfg, layout, model.config)
     n, M = record.n_context, record.query_ids.numel()
