@@ -19,6 +19,8 @@ from typing import Callable
 
 from ..engines.base import EngineOptions
 from ..engines.factory import create_engine
+from ..engines.torch_engine import load_transformer
+from ..models.gguf_file import forget_opened_models
 from ..errors import SekvError
 from ..models.registry import resolve_model
 from ..models.tokenizer import Tokenizer
@@ -125,6 +127,9 @@ def measure_once(run: SpeedRun, model: Path, tokenizer: Tokenizer, ids: list[int
     method, method_options = split_variant(run.method)
     options = EngineOptions(method=method, budget=budget if method != "full" else None, threads=threads,
                             chunk_size=chunk_size, method_options=method_options)
+    # a user's command loads the model once: the process-wide caches of dequantized weights would hide that
+    load_transformer.cache_clear()
+    forget_opened_models()
     start = time.perf_counter()
     engine = create_engine(run.engine, model, tokenizer, options)
     try:

@@ -190,6 +190,11 @@ def open_model_file(path: str | Path) -> GGUFModelFile:
     return _open_unchanged(str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def forget_opened_models() -> None:
+    """Drop the shared GGUFModelFiles (a timing that must open the model as a user's command does)."""
+    _open_unchanged.cache_clear()
+
+
 @lru_cache(maxsize=4)
 def _open_unchanged(path: str, inode: int, size: int, mtime_ns: int) -> GGUFModelFile:
     return GGUFModelFile(path)
