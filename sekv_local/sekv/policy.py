@@ -260,7 +260,9 @@ class SekvCache(CachePolicy):
             and not self._replay
         if question and self.pend_pos.length - self.recent >= self.l_max:
             # a question longer than a chunk: what its earlier chunks left past the recent window folds, as a
-            # prefill's would, so the pending rows stay within the room the plan holds for them
+            # prefill's would, so the pending rows stay within the room the plan holds for them (the last
+            # answer's pins go first: the question chooses its own)
+            self._pins = [None] * self.config.n_layers
             self._compress()
         self._positions = positions
         self._is_prefill = is_prefill
