@@ -30,6 +30,11 @@ def storage_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(seen.values())
 
 
+def share(part: float, whole: int) -> float:
+    """part / whole, 0 when there is no whole (nothing read yet, no tokens)."""
+    return part / whole if whole else 0.0
+
+
 @dataclass
 class HostReads:
     """Bytes a method gathers from its host tier, counted where it reads them (stored bytes: rows, or a
@@ -52,7 +57,7 @@ class HostReads:
 
     @property
     def per_step(self) -> float:
-        return self.step_bytes / self.steps if self.steps else 0.0
+        return share(self.step_bytes, self.steps)
 
 
 @dataclass
@@ -91,28 +96,28 @@ class MemoryReport:
     @property
     def device_fraction_of_held(self) -> float:
         """The device tier as a share of what full KV holds (window layers at their window)."""
-        return self.device_bytes / self.held_baseline if self.held_baseline else 0.0
+        return share(self.device_bytes, self.held_baseline)
 
     @property
     def total_fraction_of_held(self) -> float:
-        return self.total_bytes / self.held_baseline if self.held_baseline else 0.0
+        return share(self.total_bytes, self.held_baseline)
 
     @property
     def host_reads_per_step_fraction(self) -> float:
         """Host bytes gathered per decode step over the answer, as a share of full-KV bytes."""
-        return self.host_reads.per_step / self.full_kv_bytes if self.full_kv_bytes else 0.0
+        return share(self.host_reads.per_step, self.full_kv_bytes)
 
     @property
     def device_fraction(self) -> float:
-        return self.device_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
+        return share(self.device_bytes, self.full_kv_bytes)
 
     @property
     def device_peak_fraction(self) -> float:
-        return self.device_peak_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
+        return share(self.device_peak_bytes, self.full_kv_bytes)
 
     @property
     def host_fraction(self) -> float:
-        return self.host_bytes / self.full_kv_bytes if self.full_kv_bytes else 0.0
+        return share(self.host_bytes, self.full_kv_bytes)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -132,8 +137,7 @@ class MemoryReport:
             "host_reads_question_bytes": self.host_reads.question_bytes,
             "full_kv_held_bytes": self.held_baseline,
             "device_fraction_of_held": round(self.device_fraction_of_held, 5),
-            "device_peak_fraction_of_held": round(self.device_peak_bytes / self.held_baseline, 5)
-            if self.held_baseline else 0.0,
+            "device_peak_fraction_of_held": round(share(self.device_peak_bytes, self.held_baseline), 5),
             "total_bytes": self.total_bytes,
             "total_fraction_of_held": round(self.total_fraction_of_held, 5),
         }
