@@ -11,6 +11,7 @@ from typing import Any, Callable
 import click
 
 from . import __version__
+from .allocator import give_back_freed_memory
 from .engines.base import SamplingConfig
 from .engines.factory import ENGINES
 from .cache.budget import parse_budget
@@ -622,6 +623,7 @@ def analyze_layers(file: Path | None, model: str, tokens: int, threads: int | No
 
 
 def main() -> None:
+    give_back_freed_memory()  # what a command holds is what its methods report, not freed blocks kept resident
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Abort:

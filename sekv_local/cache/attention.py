@@ -54,13 +54,60 @@ class CausalBias:
 GROUPED_MAX_QUERIES = 32
 
 
+#: the float32 logits of one block of query rows stay under this; a chunk's [H, T, S] logits at 7K tokens were
+#: ~120 MiB, more than the device tier a method reports (the peak of a process is what a user pays)
+ATTENTION_BLOCK_BYTES = 4 << 20
+
+
+def query_block_rows(n_heads: int, n_query: int, n_key: int) -> int:
+    """Query rows per block so that one block's [n_heads, rows, n_key] float32 logits fit ATTENTION_BLOCK_BYTES."""
+    return max(1, min(n_query, ATTENTION_BLOCK_BYTES // max(4 * n_heads * n_key, 1)))
+
+
+def _rows(x: torch.Tensor | None, n_query: int, start: int, stop: int) -> torch.Tensor | None:
+    """Rows start:stop of a mask or bias whose second-to-last dimension is the query (or 1: shared)."""
+    if x is None or x.shape[-2] != n_query:
+        return x
+    return x[..., start:stop, :]
+
+
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of q [H, T, D] over k/v [KV, S, D] with H a multiple of KV (GQA).
 
-    mask: bool [T, S] or [H, T, S] (True = attend); bias: float [KV or H, T or 1, S] added to the logits
-    (e.g. SeKV's +log|S| on summary rows). Returns [H, T, D] in q's dtype.
+    mask: bool [T, S] or [H, T, S] (True = attend); bias: float [1 or KV or H, T or 1, S] added to the logits
+    (e.g. SeKV's +log|S| on summary rows). Returns [H, T, D] in q's dtype. Long chunks run in blocks of
+    query rows (:func:`query_block_rows`), so the transient logits stay bounded whatever the context.
     """
+    n_heads, T = q.shape[0], q.shape[1]
+    rows = query_block_rows(n_heads, T, k.shape[1])
+    if rows >= T:
+        return _attention_block(q, k, v, mask, bias)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    return torch.cat([_attention_block(q[:, a: a + rows], k, v, _rows(mask, T, a, a + rows), _rows(bias, T, a, a + rows))
+                      for a in range(0, T, rows)], dim=1)
+
+
+def gqa_attention_parts(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                        biases: list[torch.Tensor]) -> torch.Tensor:
+    """gqa_attention over key blocks given as parts: keys/values [KV, S_i, D], biases [KV, T or 1, S_i]. The
+    [KV, T, S] bias is built one block of query rows at a time, never whole. Returns [H, T, D]."""
+    n_heads, T = q.shape[0], q.shape[1]
+    key_all = torch.cat(keys, dim=1).to(q.dtype)
+    value_all = torch.cat(values, dim=1).to(q.dtype)
+    KV = key_all.shape[0]
+    rows = query_block_rows(n_heads, T, key_all.shape[1])
+    out = []
+    for a in range(0, T, rows):
+        n = min(rows, T - a)
+        bias = torch.cat([_rows(b, T, a, a + n).expand(KV, n, -1) for b in biases], dim=2)
+        out.append(_attention_block(q[:, a: a + n], key_all, value_all, None, bias))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """gqa_attention over one block of query rows (all of them when the logits fit)."""
     dtype = q.dtype
     k = k.to(dtype)
     v = v.to(dtype)
@@ -105,17 +152,26 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [H, T, D] over k/v [KV, S, D] (GQA) that also returns the log-sum-exp of
     the logits [H, T], so results over disjoint key blocks can be merged (:func:`merge_attention`).
-    bias: float [KV or H, T or 1, S]. Rows whose keys are all masked give output 0 and lse -inf."""
-    n_heads, n_kv = q.shape[0], k.shape[0]
-    group = n_heads // n_kv
+    bias: float [1 or KV or H, T or 1, S]. Rows whose keys are all masked give output 0 and lse -inf.
+    Runs in blocks of query rows, as gqa_attention."""
+    n_heads, T = q.shape[0], q.shape[1]
+    group = n_heads // k.shape[0]
     kk = k.float().repeat_interleave(group, dim=0)
     vv = v.float().repeat_interleave(group, dim=0)
-    logits = q.float() @ kk.transpose(1, 2) / math.sqrt(q.shape[-1])
-    if bias is not None:
-        logits = logits + (bias.repeat_interleave(group, dim=0) if bias.shape[0] == n_kv and group > 1 else bias)
-    lse = torch.logsumexp(logits, dim=-1)  # [H, T]
-    weights = torch.exp(logits - lse.clamp_min(-1e30)[..., None]).nan_to_num_(0.0)
-    return weights @ vv, lse
+    rows = query_block_rows(n_heads, T, k.shape[1])
+    outs, lses = [], []
+    for a in range(0, T, rows):
+        logits = q[:, a: a + rows].float() @ kk.transpose(1, 2) / math.sqrt(q.shape[-1])
+        if bias is not None:
+            b = _rows(bias, T, a, a + rows)
+            logits = logits + (b.repeat_interleave(group, dim=0) if b.shape[0] == k.shape[0] and group > 1 else b)
+        lse = torch.logsumexp(logits, dim=-1)  # [H, rows]
+        weights = torch.exp(logits - lse.clamp_min(-1e30)[..., None]).nan_to_num_(0.0)
+        outs.append(weights @ vv)
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
 def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

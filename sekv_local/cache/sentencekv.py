@@ -34,7 +34,7 @@ from ..errors import BudgetError, SekvError, config_check
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from ..sekv.buffers import FlatBuffer, RowBuffer, VecBuffer
-from .attention import gqa_attention
+from .attention import gqa_attention_parts
 from .base import CachePolicy, register_policy, storage_bytes
 from .budget import resolve_budget_bytes
 
@@ -282,7 +282,7 @@ class SentenceKVCache(CachePolicy):
         values.append(self.pend_v[layer][:, :end].float())
         causal = torch.where(pos[None, :] <= self._positions[:, None], 0.0, float("-inf"))
         biases.append(causal[None].expand(KV, T, -1))
-        return gqa_attention(q_rot, torch.cat(keys, dim=1), torch.cat(values, dim=1), bias=torch.cat(biases, dim=2))
+        return gqa_attention_parts(q_rot, keys, values, biases)
 
     def _load(self, layer: int, q_rot: torch.Tensor) -> torch.Tensor:
         """Score sentences by q · mean key (max over the GQA group and the chunk's queries), fill the

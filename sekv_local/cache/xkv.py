@@ -32,7 +32,7 @@ from ..errors import BudgetError, SekvError, config_check, reject_unknown
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from ..sekv.buffers import RowBuffer, VecBuffer
-from .attention import attention_with_lse, gqa_attention, merge_attention
+from .attention import attention_with_lse, gqa_attention_parts, merge_attention
 from .base import CachePolicy, register_policy, storage_bytes
 
 _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -284,7 +284,7 @@ class XkvCache(CachePolicy):
             values.append(zv)
             biases.append(torch.zeros(KV, T, rows.shape[1]))
             self._work_bytes = max(self._work_bytes, storage_bytes(zk, zv))
-            out = gqa_attention(q_rot, torch.cat(keys, 1), torch.cat(values, 1), bias=torch.cat(biases, 2))
+            out = gqa_attention_parts(q_rot, keys, values, biases)
         elif n_comp:
             parts = [attention_with_lse(q_rot, torch.cat(keys, 1), torch.cat(values, 1), torch.cat(biases, 2))]
             skip = self._outlier_row_mask(layer)  # exact copies of outlier rows exist: their rebuilt rows drop out
@@ -296,7 +296,7 @@ class XkvCache(CachePolicy):
                 parts.append(attention_with_lse(q_rot, self._rotate(zk, self.comp_pos.view()[rows]), zv, bias))
             out = merge_attention(parts)
         else:
-            out = gqa_attention(q_rot, torch.cat(keys, 1), torch.cat(values, 1), bias=torch.cat(biases, 2))
+            out = gqa_attention_parts(q_rot, keys, values, biases)
         window = self._window_of(layer)
         if self._to_compress and layer == self.windows[window][-1]:
             self._note_peak(extra=self._work_bytes)  # the window's exact chunk rows are at their peak here

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from ..allocator import release_free_memory
 from ..cache.base import MemoryReport
 from ..errors import SekvError
 from ..models.config import ModelConfig
@@ -181,6 +182,7 @@ class Engine(ABC):
         for i in range(0, len(tokens), step):
             self._last_logits = self._forward(tokens[i: i + step], prefill=True)
             self.n_tokens += len(tokens[i: i + step])
+            release_free_memory()
             if progress is not None:
                 progress(min(i + step, len(tokens)), len(tokens))
         self.stats.prefill_s += time.perf_counter() - start
@@ -194,18 +196,21 @@ class Engine(ABC):
             raise SekvError("nothing to continue from: feed a prompt first")
         stop = self.tokenizer.end_of_generation_ids if stop_ids is None else stop_ids
         sampler = Sampler(sampling)
-        for _ in range(max_new_tokens):
-            token = sampler(self._last_logits)
-            if token in stop:
-                return
-            yield token
-            if self.n_tokens + 1 > self.max_context():
-                return
-            start = time.perf_counter()
-            self._last_logits = self._forward([token], prefill=False)
-            self.n_tokens += 1
-            self.stats.decode_s += time.perf_counter() - start
-            self.stats.decode_tokens += 1
+        try:
+            for _ in range(max_new_tokens):
+                token = sampler(self._last_logits)
+                if token in stop:
+                    return
+                yield token
+                if self.n_tokens + 1 > self.max_context():
+                    return
+                start = time.perf_counter()
+                self._last_logits = self._forward([token], prefill=False)
+                self.n_tokens += 1
+                self.stats.decode_s += time.perf_counter() - start
+                self.stats.decode_tokens += 1
+        finally:  # an answer's steps free blocks between live ones too
+            release_free_memory()
 
     def max_context(self) -> int:
         """Most tokens the context can hold with this engine and method."""

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..cache.attention import attention_with_lse, gqa_attention, merge_attention
+from ..cache.attention import attention_with_lse, gqa_attention_parts, merge_attention
 from ..cache.base import CachePolicy, register_policy, storage_bytes
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
@@ -399,10 +399,7 @@ class SekvCache(CachePolicy):
             values.append(L.sum_v.view().float())
             biases.append(span_bias)
 
-        key_all = torch.cat(keys, dim=1)
-        value_all = torch.cat(values, dim=1)
-        bias = torch.cat([b.expand(KV, T, -1) for b in biases], dim=2)
-        return gqa_attention(q_rot, key_all, value_all, bias=bias)
+        return gqa_attention_parts(q_rot, keys, values, biases)
 
     def _route(self, layer: int, q: torch.Tensor, q_rot: torch.Tensor, sum_k_rot: torch.Tensor, L: _Layer,
                log_len: torch.Tensor, k_zoom: int, exclude: torch.Tensor | None = None) -> torch.Tensor:

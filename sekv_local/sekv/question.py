@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.attention import query_block_rows
+
 
 @dataclass
 class PinnedRows:
@@ -76,10 +78,18 @@ def block_attention_with_span_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     H, T, D = q.shape
     KV, N = k.shape[0], k.shape[1]
     G = H // KV
-    logits = (q.float().reshape(KV, G * T, D) @ k.float().transpose(1, 2)).view(KV, G, T, N) / math.sqrt(D)
-    logits = logits + bias.float()[:, None, None, :]
-    per_span = torch.logsumexp(logits.view(KV, G, T, n_spans, N // n_spans), dim=-1)  # [KV, G, T, S]
-    lse = torch.logsumexp(per_span, dim=-1)  # [KV, G, T]
-    weights = torch.exp(logits - lse[..., None]).nan_to_num_(0.0)
-    out = (weights.view(KV, G * T, N) @ v.float()).view(H, T, D)
-    return out, lse.reshape(H, T), per_span.reshape(H, T, n_spans)
+    kf, vf, bf = k.float().transpose(1, 2), v.float(), bias.float()[:, None, None, :]
+    rows = query_block_rows(H, T, N)  # the transient logits stay bounded for a long question
+    outs, lses, spans = [], [], []
+    for a in range(0, T, rows):
+        n = min(rows, T - a)
+        logits = (q[:, a: a + n].float().reshape(KV, G * n, D) @ kf).view(KV, G, n, N) / math.sqrt(D) + bf
+        per_span = torch.logsumexp(logits.view(KV, G, n, n_spans, N // n_spans), dim=-1)  # [KV, G, n, S]
+        lse = torch.logsumexp(per_span, dim=-1)  # [KV, G, n]
+        weights = torch.exp(logits - lse[..., None]).nan_to_num_(0.0)
+        outs.append((weights.view(KV, G * n, N) @ vf).view(H, n, D))
+        lses.append(lse.reshape(H, n))
+        spans.append(per_span.reshape(H, n, n_spans))
+    if len(outs) == 1:
+        return outs[0], lses[0], spans[0]
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1), torch.cat(spans, dim=1)
