@@ -42,7 +42,7 @@ def tiny_model(seed: int = 0) -> Transformer:
 def make_policy(model: Transformer, budget=0.25, **options) -> MetaSoftCache:
     library = SoftTokenLibrary.untrained(model.embed, list(range(8)), feature_dim=2 * H * D, n_soft=4, hidden=8)
     policy = MetaSoftCache(CFG, Rope(CFG), budget=budget, library=library, **options)
-    policy.prober = lambda e: model(None, policy, logits="none", embeddings=e)
+    policy.prober = lambda p, e: model(None, p, logits="none", embeddings=e)
     return policy
 
 

@@ -631,6 +631,8 @@ class ChatApp(App[None]):
         full = memory.get("full_kv_bytes") or 0
         lines.append(f"memory: device {format_bytes(memory.get('device_bytes'))} "
                      f"(peak {format_bytes(memory.get('device_peak_bytes'))}), host {format_bytes(memory.get('host_bytes'))}, "
+                     + (f"kept for the next question {format_bytes(memory['checkpoint_bytes'])}, "
+                        if memory.get("checkpoint_bytes") else "") +
                      f"full KV {format_bytes(full)}"
                      + (f" → device {memory.get('device_bytes', 0) / full:.1%} of full" if full else "")
                      + f"; {memory.get('tokens', 0):,} tokens in the cache")

@@ -102,10 +102,13 @@ class MemoryBars(Static):
             self.update(Text("memory: not measured yet", style="dim"))
             return
         device, host = memory.get("device_bytes", 0), memory.get("host_bytes", 0)
+        # the copies that let each question start again from the document (a ring buffer cannot truncate)
+        kept = memory.get("checkpoint_bytes", 0)
         # on a CPU both tiers are the same RAM: their sum is what the process holds; full KV as it is held
         # (a model's sliding-window layers keep only their window)
-        rows = [("device", device, "green"), ("host", host, "cyan"), ("total", device + host, "yellow"),
-                ("full KV", memory.get("full_kv_held_bytes") or memory.get("full_kv_bytes", 0), "magenta")]
+        rows = [("device", device, "green"), ("host", host, "cyan")] + ([("kept", kept, "blue")] if kept else []) \
+            + [("total", device + host + kept, "yellow"),
+               ("full KV", memory.get("full_kv_held_bytes") or memory.get("full_kv_bytes", 0), "magenta")]
         top = max(max(v for _, v, _ in rows), 1)
         width = max(self.size.width - 19, 4) if self.size.width else 12
         out = Text()

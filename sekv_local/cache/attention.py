@@ -29,24 +29,43 @@ def chunk_causal_mask(n_query: int, n_key: int, device: torch.device | None = No
 
 
 class CausalBias:
-    """Additive causal mask [1, T, S] for a chunk, built once and shared by all layers of the chunk
-    (a bool mask would be converted by SDPA again in every layer). With `window`, also masks keys
-    more than window - 1 positions before the query (sliding-window layers)."""
+    """The additive causal mask of a chunk whose queries are the last T of S keys (with `window`, also
+    masking keys more than window - 1 positions before the query: sliding-window layers), handed to
+    gqa_attention as a :class:`ChunkBias` that makes the rows of one block of queries at a time: a whole
+    [T, S] float mask of a 1,024-token chunk at 7K tokens was 28 MiB, beside a cache a fraction of that."""
 
     def __init__(self, device: torch.device | None = None, window: int | None = None) -> None:
         self.device = device
         self.window = window
-        self._key: tuple[int, int] | None = None
-        self._bias: torch.Tensor | None = None
 
-    def __call__(self, n_query: int, n_key: int) -> torch.Tensor | None:
+    def __call__(self, n_query: int, n_key: int) -> "ChunkBias | None":
         if n_query == 1 and (self.window is None or n_key <= self.window):
             return None
-        if self._key != (n_query, n_key):
-            mask = chunk_causal_mask(n_query, n_key, self.device, self.window)
-            self._bias = torch.zeros(mask.shape, device=self.device).masked_fill_(~mask, float("-inf"))[None]
-            self._key = (n_query, n_key)
-        return self._bias
+        return ChunkBias(n_query, n_key, self.device, self.window)
+
+
+class ChunkBias:
+    """A chunk's causal bias [1, T, S], made a block of query rows at a time (`rows`) or whole (`whole`)."""
+
+    def __init__(self, n_query: int, n_key: int, device: torch.device | None, window: int | None) -> None:
+        self.n_query, self.n_key, self.device, self.window = n_query, n_key, device, window
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (1, self.n_query, self.n_key)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop [1, stop - start, S]: 0 where the query may attend, -inf elsewhere."""
+        offset = self.n_key - self.n_query
+        q_idx = torch.arange(start, min(stop, self.n_query), device=self.device)[:, None] + offset
+        k_idx = torch.arange(self.n_key, device=self.device)[None, :]
+        allowed = k_idx <= q_idx
+        if self.window is not None:
+            allowed &= q_idx - k_idx < self.window
+        return torch.zeros(allowed.shape, device=self.device).masked_fill_(~allowed, float("-inf"))[None]
+
+    def whole(self) -> torch.Tensor:
+        return self.rows(0, self.n_query)
 
 
 #: up to this many query tokens attention runs as grouped matmuls (decode steps, questions): CPU SDPA with a
@@ -64,8 +83,10 @@ def query_block_rows(n_heads: int, n_query: int, n_key: int) -> int:
     return max(1, min(n_query, ATTENTION_BLOCK_BYTES // max(4 * n_heads * n_key, 1)))
 
 
-def _rows(x: torch.Tensor | None, n_query: int, start: int, stop: int) -> torch.Tensor | None:
+def _rows(x: "torch.Tensor | ChunkBias | None", n_query: int, start: int, stop: int) -> torch.Tensor | None:
     """Rows start:stop of a mask or bias whose second-to-last dimension is the query (or 1: shared)."""
+    if isinstance(x, ChunkBias):
+        return x.rows(start, stop)
     if x is None or x.shape[-2] != n_query:
         return x
     return x[..., start:stop, :]
@@ -76,13 +97,13 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Softmax attention of q [H, T, D] over k/v [KV, S, D] with H a multiple of KV (GQA).
 
     mask: bool [T, S] or [H, T, S] (True = attend); bias: float [1 or KV or H, T or 1, S] added to the logits
-    (e.g. SeKV's +log|S| on summary rows). Returns [H, T, D] in q's dtype. Long chunks run in blocks of
+    (e.g. SeKV's +log|S| on summary rows), or a ChunkBias (a chunk's causal mask, made block by block). Returns [H, T, D] in q's dtype. Long chunks run in blocks of
     query rows (:func:`query_block_rows`), so the transient logits stay bounded whatever the context.
     """
     n_heads, T = q.shape[0], q.shape[1]
     rows = query_block_rows(n_heads, T, k.shape[1])
     if rows >= T:
-        return _attention_block(q, k, v, mask, bias)
+        return _attention_block(q, k, v, mask, _rows(bias, T, 0, T))
     k, v = k.to(q.dtype), v.to(q.dtype)
     return torch.cat([_attention_block(q[:, a: a + rows], k, v, _rows(mask, T, a, a + rows), _rows(bias, T, a, a + rows))
                       for a in range(0, T, rows)], dim=1)

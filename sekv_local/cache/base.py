@@ -8,9 +8,10 @@ hence every byte it reports, lives in the policy object.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -28,6 +29,28 @@ def storage_bytes(*tensors: torch.Tensor | None) -> int:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def tensors_in(state: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside nested tuples, lists and dicts (a Checkpoint inside is its own policy's to count)."""
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from tensors_in(value)
+    elif isinstance(state, (tuple, list)):
+        for value in state:
+            yield from tensors_in(value)
+
+
+class Checkpoint:
+    """A policy's saved contents (from `CachePolicy.mark`): its copies count in the policy's memory report
+    for as long as anyone holds the checkpoint (a chat session holds one for the document)."""
+
+    __slots__ = ("state", "__weakref__")
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
 
 
 def share(part: float, whole: int) -> float:
@@ -71,6 +94,8 @@ class MemoryReport:
         baseline budgets are shares of).
     full_kv_held_bytes: what full KV itself holds for those tokens: window layers at their window (equal to
         full_kv_bytes on a model without them; 0 means not given, read as full_kv_bytes).
+    checkpoint_bytes: host copies kept so that the contents at a mark can come back (a ring buffer that
+        overwrites in place cannot truncate; a chat session marks the document to answer each question from it).
     On a CPU the device and host tiers are the same RAM: `total_bytes` is what the process holds for it.
     """
 
@@ -83,6 +108,7 @@ class MemoryReport:
     host_per_layer: list[int] = field(default_factory=list)
     host_reads: HostReads = field(default_factory=HostReads)
     full_kv_held_bytes: int = 0
+    checkpoint_bytes: int = 0
 
     @property
     def held_baseline(self) -> int:
@@ -90,8 +116,8 @@ class MemoryReport:
 
     @property
     def total_bytes(self) -> int:
-        """Device and host tiers together (one RAM on a CPU)."""
-        return self.device_bytes + self.host_bytes
+        """Device and host tiers and checkpoints together (one RAM on a CPU)."""
+        return self.device_bytes + self.host_bytes + self.checkpoint_bytes
 
     @property
     def device_fraction_of_held(self) -> float:
@@ -138,6 +164,7 @@ class MemoryReport:
             "full_kv_held_bytes": self.held_baseline,
             "device_fraction_of_held": round(self.device_fraction_of_held, 5),
             "device_peak_fraction_of_held": round(share(self.device_peak_bytes, self.held_baseline), 5),
+            "checkpoint_bytes": self.checkpoint_bytes,
             "total_bytes": self.total_bytes,
             "total_fraction_of_held": round(self.total_fraction_of_held, 5),
         }
@@ -176,6 +203,7 @@ class CachePolicy(ABC):
         self._peak_device = 0
         self._is_prefill = True
         self.host_reads = HostReads()
+        self._checkpoints: weakref.WeakSet[Checkpoint] = weakref.WeakSet()
 
     # -- the engine's calls -------------------------------------------------------------------
     def begin_chunk(self, positions: torch.Tensor, is_prefill: bool) -> None:
@@ -242,13 +270,38 @@ class CachePolicy(ABC):
         return None
 
     # -- conversation rollback -----------------------------------------------------------------
-    @abstractmethod
-    def mark(self) -> Any:
-        """An opaque checkpoint of the current contents (e.g. right after the document)."""
+    def mark(self) -> Checkpoint:
+        """A checkpoint of the current contents (e.g. right after the document), counted while it is held."""
+        checkpoint = Checkpoint(self._checkpoint())
+        self._checkpoints.add(checkpoint)
+        return checkpoint
+
+    def rollback(self, mark: Checkpoint) -> None:
+        """Forget everything added after `mark` (used to ask independent questions on one document)."""
+        if not isinstance(mark, Checkpoint):
+            raise SekvError(f"{self.name}: rollback takes a checkpoint from mark()")
+        self._restore(mark.state)
 
     @abstractmethod
-    def rollback(self, mark: Any) -> None:
-        """Forget everything added after `mark` (used to ask independent questions on one document)."""
+    def _checkpoint(self) -> Any:
+        """What `_restore` needs to bring the current contents back: counts, and copies of what later
+        tokens overwrite in place (tensors in nested tuples, lists and dicts, so they can be counted)."""
+
+    @abstractmethod
+    def _restore(self, state: Any) -> None:
+        """Back to the contents `state` was taken from."""
+
+    def _checkpoint_states(self) -> list[Any]:
+        """States of the checkpoints held now (a method that keeps states of its own adds them)."""
+        return [c.state for c in self._checkpoints]
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes the held checkpoints' copies add to the method's own tensors (shared storage counted once)."""
+        held = [t for state in self._checkpoint_states() for t in tensors_in(state)]
+        if not held:
+            return 0
+        own = [t for l in range(self.config.n_layers) for t in self.device_tensors(l) + self.host_tensors(l)]
+        return storage_bytes(*own, *held) - storage_bytes(*own)
 
     # -- persistence -------------------------------------------------------------------------------
     def export_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -288,6 +341,7 @@ class CachePolicy(ABC):
             host_per_layer=host,
             host_reads=HostReads(**vars(self.host_reads)),
             full_kv_held_bytes=self.config.full_kv_held_bytes(self.n_tokens),
+            checkpoint_bytes=self.checkpoint_bytes(),
         )
 
     def observations(self) -> dict[str, Any]:

@@ -56,16 +56,23 @@ class GrowingKV:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[1]
         need = self.length + n
-        if need > self.k.shape[1]:
-            capacity = -(-need // self.step) * self.step
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
-                new[:, : self.length] = old[:, : self.length]
-                setattr(self, name, new)
+        self.reserve(need)
         self.k[:, self.length: need] = k
         self.v[:, self.length: need] = v
         self.length = need
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows (rounded up to the step). Reading a document into a buffer sized for it once
+        allocates it once: growing chunk by chunk copies every row at each step and leaves the old buffers
+        as holes in the heap."""
+        if rows <= self.k.shape[1]:
+            return
+        capacity = -(-rows // self.step) * self.step
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
+            new[:, : self.length] = old[:, : self.length]
+            setattr(self, name, new)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -147,17 +154,22 @@ class FullCache(CachePolicy):
             store.evict()
         return out
 
+    def reserve(self, n_tokens: int) -> None:
+        """Room for the document in every global layer, allocated now (the conversation grows it by steps)."""
+        for i in self._global:
+            self.layers[i].reserve(n_tokens)
+
     def max_tokens(self) -> int | None:
         return self.cfg.max_tokens or self.config.context_length
 
-    def mark(self) -> tuple[int, int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]:
+    def _checkpoint(self) -> tuple[int, int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]:
         """(tokens, rows of the global layers, copies of the sliding-window layers' rows: they may be
         evicted after the mark, so truncating cannot bring them back)."""
         snapshots = {i: store.snapshot() for i, store in self._windows.items()}
         length = self.layers[self._global[0]].length if self._global else self.n_tokens
         return (self.n_tokens, length, snapshots)
 
-    def rollback(self, mark: tuple[int, int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]) -> None:
+    def _restore(self, mark: tuple[int, int, dict[int, tuple[int, torch.Tensor, torch.Tensor]]]) -> None:
         self.n_tokens = mark[0]
         for i in self._global:
             self.layers[i].truncate(mark[1])

@@ -120,11 +120,11 @@ class H2OCache(CachePolicy):
         rank = torch.where(protected, PROTECTED_RANK + pos.double(), store.scores().double())
         store.keep(~drop_lowest(rank, n_drop))
 
-    def mark(self) -> Any:
+    def _checkpoint(self) -> Any:
         """A snapshot in host memory (eviction compacts the tensors in place)."""
         return (self.n_tokens, [store.snapshot() for store in self.layers])
 
-    def rollback(self, mark: Any) -> None:
+    def _restore(self, mark: Any) -> None:
         self.n_tokens, snaps = mark
         for store, snap in zip(self.layers, snaps):
             store.restore(snap)

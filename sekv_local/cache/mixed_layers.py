@@ -133,10 +133,10 @@ class MixedLayers(CachePolicy):
         return self.inner.observations()
 
     # -- rollback and persistence -----------------------------------------------------------------
-    def mark(self) -> Any:
+    def _checkpoint(self) -> Any:
         return self.inner.mark(), {i: w.snapshot() for i, w in self.windows.items()}
 
-    def rollback(self, mark: Any) -> None:
+    def _restore(self, mark: Any) -> None:
         inner, windows = mark
         self.inner.rollback(inner)
         for i, snapshot in windows.items():
@@ -187,4 +187,5 @@ class MixedLayers(CachePolicy):
                             device_peak_bytes=inner.device_peak_bytes + max(self._window_peak, windows),
                             host_bytes=sum(host), full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
                             device_per_layer=dev, host_per_layer=host, host_reads=inner.host_reads,
-                            full_kv_held_bytes=self.config.full_kv_held_bytes(self.n_tokens))
+                            full_kv_held_bytes=self.config.full_kv_held_bytes(self.n_tokens),
+                            checkpoint_bytes=inner.checkpoint_bytes + self.checkpoint_bytes())

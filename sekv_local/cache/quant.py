@@ -200,10 +200,10 @@ class QuantCache(CachePolicy):
         q_rot = self.rope.apply(q, self._positions, self._cos_sin)
         return gqa_attention(q_rot, keys, values, bias=self._causal(T, keys.shape[1]))
 
-    def mark(self) -> tuple[int, int]:
+    def _checkpoint(self) -> tuple[int, int]:
         return (self.n_tokens, self.keys[0].length)
 
-    def rollback(self, mark: tuple[int, int]) -> None:
+    def _restore(self, mark: tuple[int, int]) -> None:
         self.n_tokens = mark[0]
         for rows in self.keys + self.values:
             rows.truncate(mark[1])

@@ -367,7 +367,7 @@ class SentenceKVCache(CachePolicy):
         self.pend_len = rest
 
     # -- rollback --------------------------------------------------------------------------------------
-    def mark(self) -> dict[str, Any]:
+    def _checkpoint(self) -> dict[str, Any]:
         """Counts of the append-only parts and a host copy of the pending rows (they are shifted in place)."""
         p = self.pend_len
         return {"n_tokens": self.n_tokens, "start": self.n_start_held, "sentences": self.sent_len.length,
@@ -375,7 +375,7 @@ class SentenceKVCache(CachePolicy):
                 "pend_end": self.pend_end[:p].cpu().clone(),
                 "pend": [(k[:, :p].cpu().clone(), v[:, :p].cpu().clone()) for k, v in zip(self.pend_k, self.pend_v)]}
 
-    def rollback(self, mark: dict[str, Any]) -> None:
+    def _restore(self, mark: dict[str, Any]) -> None:
         self.n_tokens, self.n_start_held, self.host_tokens = mark["n_tokens"], mark["start"], mark["host_tokens"]
         S = mark["sentences"]
         self.sent_off.truncate(S)

@@ -249,13 +249,13 @@ class SnapKVCache(CachePolicy):
         return drop_lowest(self.rank(store, next_pos), n_drop)
 
     # -- rollback and accounting -----------------------------------------------------------------------
-    def mark(self) -> Any:
+    def _checkpoint(self) -> Any:
         """A snapshot in host memory (eviction compacts the tensors in place)."""
         windows = [(q[:, :m].cpu().clone(), p[:m].cpu().clone(), m)
                    for q, p, m in zip(self.win_q, self.win_pos, self.win_len)]
         return (self.n_tokens, self.frozen, self.stale, [s.snapshot() for s in self.layers], windows)
 
-    def rollback(self, mark: Any) -> None:
+    def _restore(self, mark: Any) -> None:
         self.n_tokens, self.frozen, self.stale, snaps, windows = mark
         for store, snap in zip(self.layers, snaps):
             store.restore(snap)

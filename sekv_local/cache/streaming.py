@@ -108,12 +108,12 @@ class StreamingCache(CachePolicy):
         self.count += int(token_ids.shape[0])
         super().end_chunk(logits, token_ids)
 
-    def mark(self) -> Any:
+    def _checkpoint(self) -> Any:
         """A snapshot in host memory (the ring overwrites in place, so a rollback needs the old rows)."""
         return (self.n_tokens, self.count, [t.cpu().clone() for t in self.k], [t.cpu().clone() for t in self.v],
                 self.pos.clone())
 
-    def rollback(self, mark: Any) -> None:
+    def _restore(self, mark: Any) -> None:
         self.n_tokens, self.count, ks, vs, pos = mark
         for dst, src in zip(self.k + self.v, ks + vs):
             dst.copy_(src)

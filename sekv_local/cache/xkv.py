@@ -403,7 +403,7 @@ class XkvCache(CachePolicy):
         self._note_peak()
 
     # -- rollback ----------------------------------------------------------------------------------
-    def mark(self) -> dict[str, Any]:
+    def _checkpoint(self) -> dict[str, Any]:
         mark = {"n_tokens": self.n_tokens, "comp": self.comp_pos.length, "snapshot": None,
                 "pend_pos": self.pend_pos.view().clone(),
                 "layers": [(l.pend_k.view().clone(), l.pend_v.view().clone(), l.landmark.length, l.out_k.length,
@@ -411,6 +411,9 @@ class XkvCache(CachePolicy):
                 "outlier_debt": self._outlier_debt}
         self._marks = self._marks[-(_KEPT_MARKS - 1):] + [mark]
         return mark
+
+    def _checkpoint_states(self) -> list[Any]:
+        return super()._checkpoint_states() + self._marks  # the last marks stay here until rolled back to
 
     def _snapshot_for_marks(self) -> None:
         """Compression after a mark rotates every old coefficient row: keep the factors as they were
@@ -421,7 +424,7 @@ class XkvCache(CachePolicy):
             for m in waiting:
                 m["snapshot"] = snap
 
-    def rollback(self, mark: dict[str, Any]) -> None:
+    def _restore(self, mark: dict[str, Any]) -> None:
         self.n_tokens = mark["n_tokens"]
         self.comp_pos.truncate(mark["comp"])
         self.pend_pos.truncate(0)

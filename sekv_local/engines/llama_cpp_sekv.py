@@ -173,7 +173,8 @@ class LlamaCppSekvEngine(Engine):
                             device_peak_bytes=max(ref.device_peak_bytes, self._native_peak) + torch_device,
                             host_bytes=b.host + ref.host_bytes + (0 if on_device else ref.device_bytes),
                             full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
-                            host_reads=ref.host_reads, full_kv_held_bytes=ref.full_kv_held_bytes)
+                            host_reads=ref.host_reads, full_kv_held_bytes=ref.full_kv_held_bytes,
+                            checkpoint_bytes=ref.checkpoint_bytes)
 
     def score(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         self.reset()

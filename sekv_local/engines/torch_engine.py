@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,11 @@ def load_transformer(path: str, device: str) -> Transformer:
     """Dequantize once per process: the bench and the TUI build many engines over one model."""
     with _LOAD_LOCK:
         return Transformer.from_gguf(open_model_file(path), device=device).eval()
+
+
+def _probe_pass(model: Transformer, policy: CachePolicy, embeddings: torch.Tensor) -> None:
+    """Run soft-token embeddings [k, n_embd] through `model` with `policy` as its cache (no logits)."""
+    model(None, policy, logits="none", embeddings=embeddings.to(model.embed.dtype))
 
 
 def resolve_device(device: str) -> str:
@@ -63,8 +68,9 @@ class TorchEngine(Engine):
             options["library"] = self._metasoft_library(options)
         policy = create_policy(o.method, self.config, self.rope, device=self.device, budget=o.budget, **options)
         if hasattr(policy, "prober"):  # Meta-Soft's probe pass runs the soft tokens through this engine's model
-            policy.prober = lambda embeddings: self.model(None, policy, logits="none",
-                                                          embeddings=embeddings.to(self.model.embed.dtype))
+            # the policy hands itself in: a closure over it would be a reference cycle, and a policy replaced by
+            # reset() would stay allocated until the garbage collector happened to run
+            policy.prober = partial(_probe_pass, self.model)
         return policy
 
     def _metasoft_library(self, options: dict[str, Any]) -> Any:

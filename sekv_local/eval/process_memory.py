@@ -31,10 +31,14 @@ class ProcessMemory:
     model: str
     tokens: int
     full_kv_bytes: int
-    reported_peak_bytes: int  # device peak + host
-    reported_end_bytes: int  # device + host now
+    reported_peak_bytes: int  # device peak + host + checkpoints
+    reported_end_bytes: int  # device + host + checkpoints now
     resident_peak_growth: int
     resident_end_growth: int
+    device_bytes: int = 0
+    host_bytes: int = 0
+    checkpoint_bytes: int = 0
+    full_kv_held_bytes: int = 0  # what full KV holds for this model (window layers at their window)
 
     @property
     def unreported_peak(self) -> float:
@@ -83,8 +87,9 @@ def measure(method: str, model: str, tokens: int, budget: float | None, engine: 
     end, peak = resident_bytes()
     report = eng.memory()
     return ProcessMemory(method, engine, model, eng.n_tokens, report.full_kv_bytes,
-                         report.device_peak_bytes + report.host_bytes, report.device_bytes + report.host_bytes,
-                         peak - base, end - base)
+                         report.total_bytes - report.device_bytes + report.device_peak_bytes, report.total_bytes,
+                         peak - base, end - base, report.device_bytes, report.host_bytes, report.checkpoint_bytes,
+                         report.held_baseline)
 
 
 def measure_in_fresh_process(method: str, model: str, tokens: int, budget: float | None, engine: str = "torch",
@@ -101,6 +106,23 @@ def measure_in_fresh_process(method: str, model: str, tokens: int, budget: float
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     fields = json.loads(done.stdout.strip().splitlines()[-1])
     return ProcessMemory(**{k: fields[k] for k in ProcessMemory.__dataclass_fields__})
+
+
+def markdown(results: list[dict]) -> str:
+    """One row per method: the report's parts, what the process grew by, and both denominators."""
+    mib = 1 << 20
+    head = ("| method | device MiB | host MiB | kept MiB | total MiB | total % of full KV held | resident end MiB "
+            "| unreported end | reported peak MiB | resident peak MiB | unreported peak |\n" + "|---" * 11 + "|")
+    rows = []
+    for r in results:
+        held = r.get("full_kv_held_bytes") or r["full_kv_bytes"]
+        rows.append(f"| {r['method']}{'' if r['engine'] == 'torch' else ' (' + r['engine'] + ')'} "
+                    f"| {r['device_bytes'] / mib:.1f} | {r['host_bytes'] / mib:.1f} | {r['checkpoint_bytes'] / mib:.1f} "
+                    f"| {r['reported_end_bytes'] / mib:.1f} | {100 * r['reported_end_bytes'] / held:.1f} "
+                    f"| {r['resident_end_growth'] / mib:.1f} | {100 * r['unreported_end']:+.1f}% "
+                    f"| {r['reported_peak_bytes'] / mib:.1f} | {r['resident_peak_growth'] / mib:.1f} "
+                    f"| {100 * r['unreported_peak']:+.1f}% |")
+    return "\n".join([head, *rows])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
               f"peak {r.reported_peak_bytes / mib:6.1f}, end {r.reported_end_bytes / mib:6.1f}; unreported "
               f"{r.unreported_peak:+7.1%} (peak) {r.unreported_end:+7.1%} (end) of full KV "
               f"({r.full_kv_bytes / mib:.1f} MiB)", flush=True)
+    print(markdown(results))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(["python -m", MODULE, *(argv if argv is not None else sys.argv[1:])]),

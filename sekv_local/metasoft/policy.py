@@ -39,7 +39,7 @@ _DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 #: slots freed at once when a few new tokens need room (amortizes merging over decode steps)
 EVICT_BATCH = 16
 #: runs the model over soft-token embeddings [k, n_embd] with this policy in probe mode
-Prober = Callable[[torch.Tensor], None]
+Prober = Callable[["MetaSoftCache", torch.Tensor], None]  # (policy, soft-token embeddings): one probe pass
 
 
 class MetaSoftCache(CachePolicy):
@@ -138,7 +138,7 @@ class MetaSoftCache(CachePolicy):
         bias = self._causal(n_new, store.length)
         if self.cfg.count_bias:
             log_count = store.counts().log()[:, None, :]  # [KV, 1, S]
-            bias = log_count if bias is None else bias + log_count
+            bias = log_count if bias is None else bias.whole() + log_count
         return gqa_attention(q, store.keys(), store.values(), bias=bias)
 
     def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
@@ -172,7 +172,7 @@ class MetaSoftCache(CachePolicy):
                                                    device=self.device), is_prefill=False)
         self._probing = True
         try:
-            self.prober(embeddings)
+            self.prober(self, embeddings)
         finally:
             self._probing = False
             self._positions, self._cos_sin, self._local_cos_sin, self._is_prefill = saved
@@ -211,11 +211,11 @@ class MetaSoftCache(CachePolicy):
         return torch.where(protected, PROTECTED_RANK + pos, ranked)
 
     # -- rollback and accounting ----------------------------------------------------------------------
-    def mark(self) -> Any:
+    def _checkpoint(self) -> Any:
         return (self.n_tokens, self.frozen, self.features.clone(), self.feature_tokens,
                 [s.snapshot() for s in self.layers])
 
-    def rollback(self, mark: Any) -> None:
+    def _restore(self, mark: Any) -> None:
         self.n_tokens, self.frozen, features, self.feature_tokens, snaps = mark
         self.features.copy_(features)
         for store, snap in zip(self.layers, snaps):

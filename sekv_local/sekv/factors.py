@@ -120,30 +120,45 @@ class FactorStore:
             return torch.zeros(0, l_max, out_width)
         heads, spans = heads.cpu(), spans.cpu()
         r = self.rank.view()[spans]
-        L = lengths.cpu()[spans]
         raw = self.raw.view()[spans]
-        M = int(r.max())
-        j = torch.arange(M)
-        t = torch.arange(l_max)
         d = torch.arange(D)[None, None, :] if columns is None else \
             columns.cpu()[:, None, None] + torch.arange(out_width)[None, None, :]
-        w_idx = self.w_off.view()[spans][:, None, None] + ((heads[:, None] * r[:, None] + j[None, :]) * D)[:, :, None] + d
-        w_ok = (j[None, :] < r[:, None])[:, :, None].expand(n, M, out_width)
-        W = torch.where(w_ok, self.w.data[w_idx.clamp(max=max(self.w.length - 1, 0))].float(), 0.0)
         out = torch.zeros(n, l_max, out_width)
-        if raw.any():  # raw spans: W holds the rows themselves (zero past each length); no product needed
-            rows = min(M, l_max)
-            out[raw, :rows] = W[raw, :rows]
+        # raw spans and factored ones are gathered apart: a raw span's W is its rows (as many as its length), a
+        # factored span's only r rows, and one gather padded to the longest raw span read ~10x the bytes
+        raw_ids = raw.nonzero().flatten()
+        if raw_ids.numel():  # raw spans: W holds the rows themselves (zero past each length); no product needed
+            rows = min(int(r[raw_ids].max()), l_max)
+            out[raw_ids, :rows] = self._gather_w(spans, heads, r, d, raw_ids, rows)
         fac = (~raw).nonzero().flatten()
         if fac.numel():
-            f_spans, f_heads, f_r, f_L = spans[fac], heads[fac], r[fac], L[fac]
-            jf = j[: int(f_r.max())]  # factored ranks are small; raw spans set M
+            f_spans, f_heads, f_r, f_L = spans[fac], heads[fac], r[fac], lengths.cpu()[spans[fac]]
+            M = int(f_r.max())
+            jf, t = torch.arange(M), torch.arange(l_max)
             u_idx = self.u_off.view()[f_spans][:, None, None] \
                 + (f_heads[:, None, None] * f_L[:, None, None] + t[None, :, None]) * f_r[:, None, None] + jf[None, None, :]
             u_ok = (t[None, :, None] < f_L[:, None, None]) & (jf[None, None, :] < f_r[:, None, None])
             U = torch.where(u_ok, self.u.data[u_idx.clamp(max=max(self.u.length - 1, 0))].float(), 0.0)
-            out[fac] = U @ W[fac, : jf.numel()]
+            out[fac] = U @ self._gather_w(spans, heads, r, d, fac, M)
         return out
+
+    def _gather_w(self, spans: torch.Tensor, heads: torch.Tensor, r: torch.Tensor, d: torch.Tensor,
+                  pick: torch.Tensor, M: int) -> torch.Tensor:
+        """W rows j < M of the picked (head, span) pairs -> [len(pick), M, width] float32, zero for j >= rank.
+        d: feature offsets [1 or n, 1, width]."""
+        D = self.head_dim
+        j = torch.arange(M)
+        rp = r[pick]
+        first = self.w_off.view()[spans[pick]][:, None] + (heads[pick][:, None] * rp[:, None] + j[None, :]) * D  # [p, M]
+        w_ok = (j[None, :] < rp[:, None])[:, :, None]
+        if d.shape[0] == 1 and d.shape[-1] == D and int(d[0, 0, 0]) == 0:
+            # whole rows: every W row starts at a multiple of D, so gather rows, not single values (D x fewer indices)
+            table = self.w.data[: self.w.length - self.w.length % D].view(-1, D)
+            rows = (first // D).clamp(max=max(table.shape[0] - 1, 0))
+            return torch.where(w_ok, table[rows].float(), 0.0) if table.shape[0] else torch.zeros(len(pick), M, D)
+        dp = d if d.shape[0] == 1 else d[pick]
+        w_idx = first[:, :, None] + dp
+        return torch.where(w_ok, self.w.data[w_idx.clamp(max=max(self.w.length - 1, 0))].float(), 0.0)
 
     def stored_bytes(self, heads: torch.Tensor, spans: torch.Tensor, lengths: torch.Tensor,
                      width: int | None = None) -> int:

@@ -145,6 +145,14 @@ class SekvCache(CachePolicy):
         return 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
 
     @property
+    def router_bytes(self) -> int:
+        """Bytes of the router's parameters (projections, thresholds, rank gate): held beside the device tier."""
+        return storage_bytes(*self._router_tensors())
+
+    def _router_tensors(self) -> list[torch.Tensor]:
+        return [t.detach() for t in (*self.router.parameters(), *self.router.buffers())]
+
+    @property
     def span_bytes(self) -> int:
         """Device bytes of one span over all layers: summary K, V and routing key per KV head + metadata."""
         c = self.config
@@ -205,7 +213,7 @@ class SekvCache(CachePolicy):
                 self.l_min, self.l_max = l_min, l_max
                 # growth slack of the row buffers (exact and pending rows, summaries) is allocated too
                 base = (cfg.n_sink + self.recent + self.chunk_tokens + l_max + 2 * _ROW_STEP) * self.token_bytes \
-                    + _ROW_STEP * self.span_bytes
+                    + _ROW_STEP * self.span_bytes + self.router_bytes
                 spans = math.ceil(self.planned_tokens / ((l_min + l_max) / 2))
                 if auto:  # the zoom pool takes what the summaries leave, up to every span
                     self.zoom_k = 1
@@ -710,7 +718,7 @@ class SekvCache(CachePolicy):
                 buf.shrink()
 
     # -- rollback ----------------------------------------------------------------------------------
-    def mark(self) -> dict[str, Any]:
+    def _checkpoint(self) -> dict[str, Any]:
         return {
             "n_tokens": self.n_tokens, "stats": self.stats.copy(), "doc_read": self._doc_read,
             "exact": self.exact_pos.length, "spans": self.span_len.length,
@@ -718,7 +726,7 @@ class SekvCache(CachePolicy):
             "pend": [(l.pend_k.view().clone(), l.pend_v.view().clone()) for l in self.layers],
         }
 
-    def rollback(self, mark: dict[str, Any]) -> None:
+    def _restore(self, mark: dict[str, Any]) -> None:
         self.n_tokens, self.stats = mark["n_tokens"], mark["stats"].copy()
         self._doc_read = mark["doc_read"]
         self._pins = [None] * self.config.n_layers
@@ -811,7 +819,7 @@ class SekvCache(CachePolicy):
             tensors += [pins.k, pins.v, pins.pos, pins.mask]
         if layer == 0:
             tensors += [self.exact_pos.data, self.pend_pos.data, self.pend_surprisal.data, self.span_pos.data,
-                        self.span_len.data]
+                        self.span_len.data, *self._router_tensors()]
         return tensors
 
     def host_tensors(self, layer: int) -> list[torch.Tensor]:

@@ -37,10 +37,10 @@ class TeacherRecord:
 class OnePassPolicy(CachePolicy):
     """A policy for one forward pass in training: nothing to roll back, nothing counted as a tier."""
 
-    def mark(self) -> Any:
+    def _checkpoint(self) -> Any:
         return None
 
-    def rollback(self, mark: Any) -> None:
+    def _restore(self, state: Any) -> None:
         return None
 
     def device_tensors(self, layer: int) -> list[torch.Tensor]:
