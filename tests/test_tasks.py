@@ -107,10 +107,34 @@ def test_fit_too_small_target_raises() -> None:
         generate_sample("niah_multivalue", 20, 1, chars4, 0.5)
 
 
-def test_long_documents_repeat_haystack() -> None:
-    s = generate_sample("niah_single", 65536, 4, words, 0.5)
-    corpus_words = len(T._pydoc_corpus().pieces)
-    assert s.meta["units"] > corpus_words  # words counter at 64k needs more than one pass
+def test_documents_up_to_32k_keep_the_pydoc_haystack() -> None:
+    s = generate_sample("niah_single", T.BOOK_FROM_TOKENS, 4, chars4, 0.5)
+    assert s.meta["haystack"] == "pydoc"
+
+
+def test_the_book_holds_130k_tokens_of_distinct_prose(tokenizer) -> None:
+    from sekv_local.eval.book import book_paragraphs, book_text
+
+    paragraphs = book_paragraphs()
+    assert len(set(paragraphs)) == len(paragraphs)
+    pydoc = tuple(dict.fromkeys(T._pydoc_paragraphs()))  # the pydoc prose comes first, once each
+    assert paragraphs[: len(pydoc)] == pydoc
+    assert len(tokenizer.encode(book_text())) >= 130_000
+    for paragraph in paragraphs[len(pydoc):][::97]:  # the docstrings' prose follows the pydoc rules
+        text = " ".join(paragraph)
+        assert text.endswith(".") and ">>>" not in text and "::=" not in text
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "doc_qa"])
+def test_a_128k_document_is_book_prose_that_never_repeats(task: str, tokenizer) -> None:
+    count = lambda text: len(tokenizer.encode(text))  # noqa: E731
+    s = generate_sample(task, 131072, 101, count, 0.3)
+    assert s.meta["haystack"] == "book"
+    assert FIT_LOW * 131072 <= s.meta["n_tokens"] <= 131072
+    paragraphs = s.document.split("\n\n")
+    assert len(set(paragraphs)) == len(paragraphs) > 3000
+    first = s.meta["needles"][0]
+    assert first["text"] in s.document and abs(first["achieved_depth"] - 0.3) < 0.01
 
 
 # ------------------------------------------------------------------ needle placement

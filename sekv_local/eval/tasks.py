@@ -5,9 +5,12 @@ counter: all randomness comes from ``random.Random(seed)`` (never the global gen
 haystack text is fixed. Haystacks:
 
 * ``pydoc``: natural English prose cleaned from CPython's ``pydoc_data.topics`` (code blocks,
-  grammar rules, headings and doctest sessions removed; topics in sorted order; ~45k words,
-  repeated cyclically for long documents). The text ships with the interpreter, so documents are
-  identical for a given Python version (``Sample.meta["python"]`` records it).
+  grammar rules, headings and doctest sessions removed; topics in sorted order; ~45k words, about
+  65K tokens). The text ships with the interpreter, so documents are identical for a given Python
+  version (``Sample.meta["python"]`` records it).
+* ``book``: for documents over 32K tokens, the pydoc prose followed by the standard library's own
+  docstrings cleaned the same way (``book.py``; over 200K tokens, so a 128K-token document never
+  repeats a paragraph).
 * ``noise``: RULER's noise ("The grass is green. The sky is blue. ...") repeated.
 * ``words``: a numbered word list (common-words extraction).
 
@@ -136,6 +139,8 @@ class _Corpus:
     starts: tuple[int, ...]
 
 
+#: documents longer than this (in tokens) take their haystack from the book; the pydoc prose is ~65K tokens
+BOOK_FROM_TOKENS = 32768
 _SENTENCE_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“(])")
 _UNDERLINE = re.compile(r"[*=\-^~]+")
 _MAX_SENTENCE_CHARS = 400
@@ -143,29 +148,31 @@ _MAX_SENTENCE_CHARS = 400
 
 def clean_pydoc_topics(topics: dict[str, str]) -> list[list[str]]:
     """Plain prose paragraphs (each a list of sentences) from ``pydoc_data.topics``, in sorted
-    topic order. Headings, indented code, grammar rules (``::=``), doctest sessions, lists of
-    names and paragraphs that do not end in a full stop are dropped, as are sentences over 400
-    characters (so needles can sit near any depth); ``*emphasis*`` markers are removed and words
-    hyphenated across line ends are re-joined."""
-    paragraphs: list[list[str]] = []
-    for key in sorted(topics):
-        for block in re.split(r"\n[ \t]*\n", topics[key]):
-            lines = [line for line in block.split("\n") if line.strip()]
-            if not lines or ">>>" in block or "::=" in block:
-                continue
-            if len(lines) > 1 and _UNDERLINE.fullmatch(lines[-1].strip()):
-                continue  # heading
-            text = re.sub(r"\s+", " ", " ".join(line.strip() for line in lines)).strip()
-            text = re.sub(r"^(?:\*|\d+\.)\s+", "", text).replace("*", "")
-            text = re.sub(r"(?<=\w)- (?=\w)", "-", text)  # re-join words hyphenated at line ends
-            if not text.endswith(".") or len(text.split()) < 6:
-                continue
-            if sum(c.isalpha() or c == " " for c in text) < 0.85 * len(text):
-                continue  # code-like
-            sentences = [s for s in _SENTENCE_SPLIT.split(text) if len(s) <= _MAX_SENTENCE_CHARS]
-            if sentences:
-                paragraphs.append(sentences)
-    return paragraphs
+    topic order (:func:`clean_prose` on each blank-line-separated block)."""
+    return [p for key in sorted(topics) for block in re.split(r"\n[ \t]*\n", topics[key])
+            if (p := clean_prose(block)) is not None]
+
+
+def clean_prose(block: str) -> list[str] | None:
+    """The sentences of one paragraph of reStructuredText-like documentation, or None when it is not
+    plain prose. Headings, indented code, grammar rules (``::=``), doctest sessions, lists of names and
+    paragraphs that do not end in a full stop are dropped, as are sentences over 400 characters (so
+    needles can sit near any depth); ``*emphasis*`` markers are removed and words hyphenated across line
+    ends are re-joined."""
+    lines = [line for line in block.split("\n") if line.strip()]
+    if not lines or ">>>" in block or "::=" in block:
+        return None
+    if len(lines) > 1 and _UNDERLINE.fullmatch(lines[-1].strip()):
+        return None  # heading
+    text = re.sub(r"\s+", " ", " ".join(line.strip() for line in lines)).strip()
+    text = re.sub(r"^(?:\*|\d+\.)\s+", "", text).replace("*", "")
+    text = re.sub(r"(?<=\w)- (?=\w)", "-", text)  # re-join words hyphenated at line ends
+    if not text.endswith(".") or len(text.split()) < 6:
+        return None
+    if sum(c.isalpha() or c == " " for c in text) < 0.85 * len(text):
+        return None  # code-like
+    sentences = [s for s in _SENTENCE_SPLIT.split(text) if len(s) <= _MAX_SENTENCE_CHARS]
+    return sentences or None
 
 
 @lru_cache(maxsize=1)
@@ -181,12 +188,32 @@ def natural_text(max_chars: int = 200_000) -> str:
     return "\n\n".join(" ".join(p) for p in _pydoc_paragraphs())[:max_chars]
 
 
+@lru_cache(maxsize=1)
 def _pydoc_corpus() -> _Corpus:
     """The pydoc prose as words; paragraphs end with a blank line; offsets at paragraph starts."""
+    return _word_corpus("pydoc", _pydoc_paragraphs())
+
+
+@lru_cache(maxsize=1)
+def _book_corpus() -> _Corpus:
+    """The book (sekv_local/eval/book.py: the pydoc prose, then the standard library's docstrings) as words."""
+    from .book import book_paragraphs
+
+    return _word_corpus("book", book_paragraphs())
+
+
+def _haystack(target_tokens: int) -> _Corpus:
+    """pydoc prose up to BOOK_FROM_TOKENS (every document the project measured before the book existed),
+    the book beyond: pydoc alone would repeat itself within one document."""
+    return _pydoc_corpus() if target_tokens <= BOOK_FROM_TOKENS else _book_corpus()
+
+
+def _word_corpus(name: str, paragraphs: Sequence[Sequence[str]]) -> _Corpus:
+    """Paragraphs of sentences as words; paragraphs end with a blank line; offsets at paragraph starts."""
     pieces: list[str] = []
     ends: list[bool] = []
     starts: list[int] = []
-    for paragraph in _pydoc_paragraphs():
+    for paragraph in paragraphs:
         starts.append(len(pieces))
         for s_idx, sentence in enumerate(paragraph):
             words = sentence.split(" ")
@@ -194,7 +221,7 @@ def _pydoc_corpus() -> _Corpus:
             pieces.extend(w + " " for w in words[:-1])
             pieces.append(words[-1] + last_sep)
             ends.extend([False] * (len(words) - 1) + [True])
-    return _Corpus("pydoc", tuple(pieces), tuple(ends), tuple(starts))
+    return _Corpus(name, tuple(pieces), tuple(ends), tuple(starts))
 
 
 @lru_cache(maxsize=1)
@@ -389,7 +416,7 @@ def _niah(rng: random.Random, target_tokens: int, count_tokens: TokenCounter, de
     pairs = [(keys[i // n_values], values[i]) for i in range(n_keys * n_values)]
     depths = [d] + [rng.random() for _ in pairs[1:]]
     inserts = [(dd, NIAH_NEEDLE.format(key=k, value=v)) for dd, (k, v) in zip(depths, pairs)]
-    doc, achieved, meta = _needle_document(rng, _pydoc_corpus(), target_tokens, count_tokens,
+    doc, achieved, meta = _needle_document(rng, _haystack(target_tokens), target_tokens, count_tokens,
                                            inserts, 0.75)
     if multi_question is None:
         text = (f"What is the special magic number for {keys[0]} mentioned in the provided text? "
@@ -419,7 +446,7 @@ def _multiturn_niah(rng: random.Random, target_tokens: int, count_tokens: TokenC
     keys, values = _keys(rng, 3), _values(rng, 3)
     depths = [x - 1.0 if x > 1.0 else x for x in (d + k / 3 for k in range(3))]
     inserts = [(dd, NIAH_NEEDLE.format(key=k, value=v)) for dd, k, v in zip(depths, keys, values)]
-    doc, achieved, meta = _needle_document(rng, _pydoc_corpus(), target_tokens, count_tokens,
+    doc, achieved, meta = _needle_document(rng, _haystack(target_tokens), target_tokens, count_tokens,
                                            inserts, 0.75)
     order = list(range(3))
     rng.shuffle(order)
@@ -528,7 +555,7 @@ def _doc_qa(rng: random.Random, target_tokens: int, count_tokens: TokenCounter,
     entities, answers = names[:9], names[9:]
     depths = [d] + [rng.random() for _ in range(8)]
     inserts = [(dd, fact.format(e=e, a=a)) for dd, e, a in zip(depths, entities, answers)]
-    doc, achieved, meta = _needle_document(rng, _pydoc_corpus(), target_tokens, count_tokens,
+    doc, achieved, meta = _needle_document(rng, _haystack(target_tokens), target_tokens, count_tokens,
                                            inserts, 0.75)
     text = question.format(e=entities[0]) + " Answer with the name only."
     qmeta = {"depth": d, "achieved_depth": achieved[0], "entity": entities[0], "template": t_idx}
