@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,15 @@ DECODE_ROOM = 256
 HOST_FORMS = ("rows", "factors")
 
 
+@lru_cache(maxsize=2)
+def load_native_model(path: str, threads: int, gpu: bool) -> Any:
+    """The model in the native library, loaded once per process (as the torch engine's weights are): the
+    bench, the chat app's /method and a new question's engine would each load the weights again."""
+    from ..native.bindings import NativeModel
+
+    return NativeModel(path, threads, gpu=gpu)
+
+
 class LlamaCppSekvEngine(Engine):
     name = "llama.cpp"
 
@@ -38,7 +48,6 @@ class LlamaCppSekvEngine(Engine):
         if options.method != "sekv":
             raise SekvError(f"engine 'llama.cpp' runs method 'sekv' (got '{options.method}'); use "
                             f"--engine llama.cpp-stock for stock llama.cpp or --engine torch for other methods")
-        from ..native.bindings import NativeModel
         from ..native.memory_export import supported
 
         method_options = dict(options.method_options)
@@ -56,7 +65,7 @@ class LlamaCppSekvEngine(Engine):
         self.notices = self.reference.notices
         # the native side follows the device the torch side prefills on ("auto" picks CUDA when torch sees it)
         on_gpu = torch.device(self.reference.device).type == "cuda"
-        self.native_model = NativeModel(gguf_path, options.threads or os.cpu_count() or 1, gpu=on_gpu)
+        self.native_model = load_native_model(str(gguf_path), options.threads or os.cpu_count() or 1, on_gpu)
         self.native: Any = None  # NativeMemory, built from the torch memory when decoding starts
         self.pending: list[int] = []  # decoded natively, not yet in the torch memory
         self._native_peak = 0
