@@ -19,13 +19,18 @@ def chunk_causal_mask(n_query: int, n_key: int, device: torch.device | None = No
     """
     if n_query == 1 and (window is None or n_key <= window):
         return None
-    offset = n_key - n_query
-    q_idx = torch.arange(n_query, device=device)[:, None] + offset
+    return _allowed_rows(0, n_query, n_query, n_key, device, window)
+
+
+def _allowed_rows(start: int, stop: int, n_query: int, n_key: int, device: torch.device | None,
+                  window: int | None) -> torch.Tensor:
+    """Rows start:stop of chunk_causal_mask: bool [min(stop, n_query) - start, n_key]."""
+    q_idx = torch.arange(start, min(stop, n_query), device=device)[:, None] + (n_key - n_query)
     k_idx = torch.arange(n_key, device=device)[None, :]
-    mask = k_idx <= q_idx
+    allowed = k_idx <= q_idx
     if window is not None:
-        mask &= q_idx - k_idx < window
-    return mask
+        allowed &= q_idx - k_idx < window
+    return allowed
 
 
 class CausalBias:
@@ -56,12 +61,7 @@ class ChunkBias:
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop [1, stop - start, S]: 0 where the query may attend, -inf elsewhere."""
-        offset = self.n_key - self.n_query
-        q_idx = torch.arange(start, min(stop, self.n_query), device=self.device)[:, None] + offset
-        k_idx = torch.arange(self.n_key, device=self.device)[None, :]
-        allowed = k_idx <= q_idx
-        if self.window is not None:
-            allowed &= q_idx - k_idx < self.window
+        allowed = _allowed_rows(start, stop, self.n_query, self.n_key, self.device, self.window)
         return torch.zeros(allowed.shape, device=self.device).masked_fill_(~allowed, float("-inf"))[None]
 
     def whole(self) -> torch.Tensor:

@@ -121,8 +121,8 @@ class FactorStore:
         heads, spans = heads.cpu(), spans.cpu()
         r = self.rank.view()[spans]
         raw = self.raw.view()[spans]
-        d = torch.arange(D)[None, None, :] if columns is None else \
-            columns.cpu()[:, None, None] + torch.arange(out_width)[None, None, :]
+        # feature offsets of each pair [n, 1, width]; None: whole rows
+        d = None if columns is None else columns.cpu()[:, None, None] + torch.arange(out_width)[None, None, :]
         out = torch.zeros(n, l_max, out_width)
         # raw spans and factored ones are gathered apart: a raw span's W is its rows (as many as its length), a
         # factored span's only r rows, and one gather padded to the longest raw span read ~10x the bytes
@@ -142,22 +142,20 @@ class FactorStore:
             out[fac] = U @ self._gather_w(spans, heads, r, d, fac, M)
         return out
 
-    def _gather_w(self, spans: torch.Tensor, heads: torch.Tensor, r: torch.Tensor, d: torch.Tensor,
+    def _gather_w(self, spans: torch.Tensor, heads: torch.Tensor, r: torch.Tensor, d: torch.Tensor | None,
                   pick: torch.Tensor, M: int) -> torch.Tensor:
         """W rows j < M of the picked (head, span) pairs -> [len(pick), M, width] float32, zero for j >= rank.
-        d: feature offsets [1 or n, 1, width]."""
+        d: feature offsets [n, 1, width] of every pair, or None for whole rows (width D)."""
         D = self.head_dim
         j = torch.arange(M)
         rp = r[pick]
         first = self.w_off.view()[spans[pick]][:, None] + (heads[pick][:, None] * rp[:, None] + j[None, :]) * D  # [p, M]
         w_ok = (j[None, :] < rp[:, None])[:, :, None]
-        if d.shape[0] == 1 and d.shape[-1] == D and int(d[0, 0, 0]) == 0:
-            # whole rows: every W row starts at a multiple of D, so gather rows, not single values (D x fewer indices)
+        if d is None:  # every W row starts at a multiple of D: gather rows, not single values (D x fewer indices)
             table = self.w.data[: self.w.length - self.w.length % D].view(-1, D)
             rows = (first // D).clamp(max=max(table.shape[0] - 1, 0))
             return torch.where(w_ok, table[rows].float(), 0.0) if table.shape[0] else torch.zeros(len(pick), M, D)
-        dp = d if d.shape[0] == 1 else d[pick]
-        w_idx = first[:, :, None] + dp
+        w_idx = first[:, :, None] + d[pick]
         return torch.where(w_ok, self.w.data[w_idx.clamp(max=max(self.w.length - 1, 0))].float(), 0.0)
 
     def stored_bytes(self, heads: torch.Tensor, spans: torch.Tensor, lengths: torch.Tensor,
