@@ -10,6 +10,7 @@ and a looser KL are required (the foundation parity test measures that noise flo
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import shutil
 import time
@@ -20,6 +21,7 @@ import torch
 
 from gguf_copies import f32_copy
 from sekv_local.documents import Document
+from sekv_local.engines import create_engine
 from sekv_local.engines.base import EngineOptions
 from sekv_local.engines.torch_engine import TorchEngine
 from sekv_local.errors import SekvError
@@ -158,6 +160,66 @@ def test_parity_with_torch_on_the_default_model(model_path, tokenizer, library) 
     assert len(differ) <= max(1, len(steps) // 4), differ
     assert np.mean([s["kl"] for s in steps]) < 5e-3
     assert np.mean([s["zoom_agreement"] for s in steps]) >= 0.97
+
+
+def prefill_side_by_side(gguf, tokenizer, library, chunk: int, options=None) -> dict:
+    """Torch SeKV memory of the first part of a 2K-token needle document, imported natively; the next `chunk`
+    tokens read by both engines as one prefill chunk. Returns the last token's logits, the chunk's surprisal,
+    its new K/V rows and the zoom choices of both."""
+    load_library(library)
+    sample = generate_sample("niah_single", 2000, seed=7, count_tokens=tokenizer.count, depth=0.5)
+    doc = tokenizer.encode(sample.document)
+    engine = TorchEngine(gguf, tokenizer, EngineOptions(method="sekv", budget=0.25, threads=2,
+                                                        method_options={"select": "step", **(options or {})}))
+    engine.reserve(len(doc))
+    assert chunk <= engine.cache.chunk_tokens
+    head, tail = doc[: len(doc) - chunk], doc[len(doc) - chunk:]
+    engine.feed(head)
+    cache = engine.cache
+    assert cache.span_len.length > cache.zoom_k > 0  # some spans zoomed, some not
+    model = NativeModel(gguf, 2)
+    memory = native_memory(model, cache, chunk + 1, zoom_k=cache.zoom_k)
+    first = memory.n_exact
+    seen = {}
+    end_chunk = cache.end_chunk
+
+    def capture(scores, ids):  # before the chunk's rows fold into spans
+        seen["nll"] = scores.nll.float().cpu().numpy()
+        seen["k"] = torch.stack([l.pend_k.view()[:, -chunk:] for l in cache.layers]).float().numpy()
+        seen["v"] = torch.stack([l.pend_v.view()[:, -chunk:] for l in cache.layers]).float().numpy()
+        seen["zoom"] = {(layer, h, s) for layer, chosen in cache._zoom_events for h, row in enumerate(chosen.tolist())
+                        for s in row}
+        end_chunk(scores, ids)
+
+    cache.end_chunk = capture
+    cache.reset_observations()
+    position = engine.n_tokens
+    torch_logits = engine._forward(tail, prefill=True)
+    nll, logits = memory.prefill(tail, position)
+    rows = [memory.get_exact(layer, first, chunk) for layer in range(engine.config.n_layers)]
+    native_zoom = {(layer, h, int(s)) for layer in range(engine.config.n_layers)
+                   for h, row in enumerate(memory.last_zoom(layer)) for s in row}
+    memory.close()
+    p, q = (torch.softmax(torch.tensor(x, dtype=torch.float64), -1) for x in (torch_logits, logits))
+    return {"kl": float((p * (p.log() - q.log())).sum()), "argmax": (int(torch_logits.argmax()), int(logits.argmax())),
+            "nll": (seen["nll"], nll), "k": (seen["k"], np.stack([r[0] for r in rows]).astype(np.float32)),
+            "v": (seen["v"], np.stack([r[1] for r in rows]).astype(np.float32)),
+            "zoom_agreement": len(seen["zoom"] & native_zoom) / max(len(seen["zoom"]), 1)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [1, 96])
+def test_a_prefill_chunk_matches_torch_on_the_same_weights(chunk, f32_model, tokenizer, library) -> None:
+    got = prefill_side_by_side(f32_model, tokenizer, library, chunk)
+    print({k: got[k] for k in ("kl", "argmax", "zoom_agreement")},
+          {k: float(np.abs(a - b).max(initial=0)) for k, (a, b) in ((n, got[n]) for n in ("nll", "k", "v"))})
+    assert got["argmax"][0] == got["argmax"][1]
+    assert got["kl"] < 1e-4
+    assert got["nll"][0].shape == got["nll"][1].shape == (chunk - 1,)
+    np.testing.assert_allclose(got["nll"][1], got["nll"][0], atol=0.02)
+    np.testing.assert_allclose(got["k"][1], got["k"][0], atol=0.02, rtol=0.01)  # f16 rows
+    np.testing.assert_allclose(got["v"][1], got["v"][0], atol=0.02, rtol=0.01)
+    assert got["zoom_agreement"] >= 0.95
 
 
 def pinned_spans(engine) -> int:
@@ -371,7 +433,7 @@ def test_llama_cpp_engine_answers_like_torch(tokenizer, library, monkeypatch) ->
     sample = generate_sample("niah_multikey", 2000, seed=11, count_tokens=tokenizer.count, depth=0.3)
     # the llama.cpp engine's pins leave room for its decode room (answer_room): the torch side alike
     reference = session("torch", sample.document, tokenizer, method_options=(("answer_room", 8),))
-    native = session("llama.cpp", sample.document, tokenizer)
+    native = session("llama.cpp", sample.document, tokenizer, method_options=(("prefill", "torch"),))
     answers = []
     # the second turn asks for the fact again: open-ended text can part at a near-tie token, since the
     # engines run different (Q4 native vs dequantized f32) kernels; this test is about turns and fold-back

@@ -10,7 +10,9 @@ import torch
 from sekv_local.cache import create_policy
 from sekv_local.cache.attention import attention_with_lse, merge_attention
 from sekv_local.models.rope import Rope
-from sekv_local.sekv.question import block_attention_with_span_lse, pick_spans, question_span_score
+from sekv_local.sekv.config import SekvConfig
+from sekv_local.sekv.question import (block_attention_with_span_lse, pick_spans, question_span_score,
+                                     spread_to_neighbours)
 
 from test_sekv import CFG
 
@@ -210,6 +212,22 @@ def test_span_scores_and_picking() -> None:
     assert pick_spans(score, lengths, 39).tolist() == []
     with pytest.raises(ValueError):
         question_span_score(mass, "median")
+
+
+def test_a_pinned_spans_neighbours_rank_right_after_it() -> None:
+    # a needle cut by a span boundary: its key's span (2) holds the question's mass, its value's (3) little
+    score = torch.tensor([0.01, 0.02, 0.6, 0.03, 0.2, 0.05])
+    spread = spread_to_neighbours(score, 0.5)
+    assert spread.tolist() == pytest.approx([0.01, 0.3, 0.6, 0.3, 0.2, 0.1])
+    lengths = torch.full((6,), 10)
+    assert pick_spans(spread, lengths, 30).tolist()[0] == 2  # the span itself still ranks first
+    assert set(pick_spans(spread, lengths, 30).tolist()) == {1, 2, 3}
+    assert pick_spans(score, lengths, 30).tolist() == [2, 4, 5]  # without spreading the value's span is left out
+    assert spread_to_neighbours(score, 0.0) is score
+    assert spread_to_neighbours(score[:1], 0.5).tolist() == pytest.approx([0.01])
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(Exception, match="pin_spread must be a number in"):
+            SekvConfig(pin_spread=bad)
 
 
 @pytest.mark.parametrize("method,options", [("sentencekv", {"sentence_end_ids": (3, 7)}), ("xkv", {"budget": 0.9})])

@@ -1,68 +1,41 @@
-// One decode step: build the graph, allocate its compute buffer, run it, read logits and zoom choices.
+// Running the memory's graph: one decode step or one prefill chunk. Build the graph, allocate its compute
+// buffer, run it, read logits (and a chunk's surprisal) and the zoom choices.
 #include "sekv_internal.h"
 
-int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logits) {
-    const sekv_model_info & info = mem->model->info;
+#include <cmath>
+#include <cstring>
+
+static bool ready(const sekv_memory * mem) {
     if (!mem->spans_set) {
         sekv_set_error("the span table was never set (sekv_memory_set_spans)");
-        return -1;
+        return false;
     }
     for (bool done : mem->layer_spans_set) {
         if (!done) {
             sekv_set_error("a layer's spans were never set (sekv_memory_set_layer_spans)");
-            return -1;
+            return false;
         }
     }
     for (bool done : mem->layer_routing_set) {
         if (!done) {
             sekv_set_error("a layer's routing keys were never set (sekv_memory_set_layer_routing)");
-            return -1;
+            return false;
         }
     }
     if (mem->params.router && mem->router_dim != mem->model->router_dim) {
         sekv_set_error("the model's router was replaced by one of another routing_dim since this memory was made");
-        return -1;
+        return false;
     }
     for (int32_t rows : mem->layer_exact) {
         if (rows != mem->n_exact) {
             sekv_set_error("layers hold different numbers of exact rows: import every layer before decoding");
-            return -1;
+            return false;
         }
     }
-    if (mem->n_exact + 1 >= mem->params.exact_capacity) {
-        sekv_set_error("the memory is full: exact_capacity reached");
-        return -1;
-    }
-    if (token < 0 || token >= info.n_vocab || position < 0) {
-        sekv_set_error("token id out of range or negative position");
-        return -1;
-    }
-    const size_t meta = ggml_tensor_overhead() * SEKV_GRAPH_SIZE + ggml_graph_overhead_custom(SEKV_GRAPH_SIZE, false);
-    mem->graph_meta.resize(meta);
-    ggml_init_params ip = {meta, mem->graph_meta.data(), true};
-    ggml_context * ctx = ggml_init(ip);
-    ggml_tensor * inp_token = nullptr, * inp_pos = nullptr;
-    sekv_zoom_outputs zoom;
-    ggml_cgraph * gf = sekv_build_decode_graph(mem, ctx, &inp_token, &inp_pos, zoom);
-    if (mem->sched != nullptr) {
-        ggml_backend_sched_reset(mem->sched);
-    }
-    if (!(mem->sched != nullptr ? ggml_backend_sched_alloc_graph(mem->sched, gf) : ggml_gallocr_alloc_graph(mem->allocr, gf))) {
-        ggml_free(ctx);
-        sekv_set_error("could not allocate the decode graph's compute buffer");
-        return -1;
-    }
-    ggml_backend_tensor_set(inp_token, &token, 0, sizeof(token));
-    ggml_backend_tensor_set(inp_pos, &position, 0, sizeof(position));
-    const ggml_status status = mem->sched != nullptr ? ggml_backend_sched_graph_compute(mem->sched, gf)
-                                                     : ggml_backend_graph_compute(mem->model->cpu, gf);
-    if (status != GGML_STATUS_SUCCESS) {
-        ggml_free(ctx);
-        sekv_set_error("the decode graph failed to compute");
-        return -1;
-    }
-    ggml_tensor * out = ggml_graph_get_tensor(gf, "logits");
-    ggml_backend_tensor_get(out, logits, 0, (size_t) info.n_vocab * sizeof(float));
+    return true;
+}
+
+static void read_zoom(sekv_memory * mem, const sekv_zoom_outputs & zoom) {
     std::vector<float> passed;
     for (size_t il = 0; il < zoom.chosen.size(); ++il) {
         auto & dst = mem->last_zoom[il];
@@ -83,8 +56,85 @@ int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logi
         }
         mem->last_zoom_k[il] = (int32_t) chosen->ne[0];
     }
+}
+
+// n tokens at positions position .. position + n - 1; nll: a chunk's surprisal [n - 1] or nullptr
+static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t position, float * nll, float * logits) {
+    const sekv_model_info & info = mem->model->info;
+    if (!ready(mem)) return -1;
+    if (n < 1) {
+        sekv_set_error("no tokens to run");
+        return -1;
+    }
+    if (mem->n_exact + n >= mem->params.exact_capacity) {
+        sekv_set_error("the memory is full: exact_capacity reached");
+        return -1;
+    }
+    if (position < 0) {
+        sekv_set_error("negative position");
+        return -1;
+    }
+    for (int32_t i = 0; i < n; ++i) {
+        if (tokens[i] < 0 || tokens[i] >= info.n_vocab) {
+            sekv_set_error("token id out of range");
+            return -1;
+        }
+    }
+    const size_t meta = ggml_tensor_overhead() * SEKV_GRAPH_SIZE + ggml_graph_overhead_custom(SEKV_GRAPH_SIZE, false);
+    mem->graph_meta.resize(meta);
+    ggml_init_params ip = {meta, mem->graph_meta.data(), true};
+    ggml_context * ctx = ggml_init(ip);
+    sekv_graph_inputs in;
+    sekv_zoom_outputs zoom;
+    ggml_cgraph * gf = sekv_build_graph(mem, ctx, n, nll != nullptr, in, zoom);
+    if (mem->sched != nullptr) {
+        ggml_backend_sched_reset(mem->sched);
+    }
+    if (!(mem->sched != nullptr ? ggml_backend_sched_alloc_graph(mem->sched, gf) : ggml_gallocr_alloc_graph(mem->allocr, gf))) {
+        ggml_free(ctx);
+        sekv_set_error("could not allocate the graph's compute buffer");
+        return -1;
+    }
+    std::vector<int32_t> pos((size_t) n);
+    for (int32_t i = 0; i < n; ++i) pos[i] = position + i;
+    ggml_backend_tensor_set(in.tokens, tokens, 0, (size_t) n * sizeof(int32_t));
+    ggml_backend_tensor_set(in.pos, pos.data(), 0, pos.size() * sizeof(int32_t));
+    if (in.causal != nullptr) {  // rows held before the chunk: seen by every token; the chunk's own: causally
+        const int64_t rows = mem->n_exact + n;
+        std::vector<float> mask((size_t) (rows * n), 0.0f);
+        for (int32_t t = 0; t < n; ++t) {
+            for (int32_t j = t + 1; j < n; ++j) mask[(size_t) (t * rows + mem->n_exact + j)] = -INFINITY;
+        }
+        ggml_backend_tensor_set(in.causal, mask.data(), 0, mask.size() * sizeof(float));
+    }
+    if (in.nll_index != nullptr) {
+        const int64_t block = sekv_nll_block(info.n_vocab);
+        std::vector<int32_t> index((size_t) (n - 1));
+        for (int32_t i = 0; i + 1 < n; ++i) index[i] = (int32_t) ((i % block) * info.n_vocab + tokens[i + 1]);
+        ggml_backend_tensor_set(in.nll_index, index.data(), 0, index.size() * sizeof(int32_t));
+    }
+    const ggml_status status = mem->sched != nullptr ? ggml_backend_sched_graph_compute(mem->sched, gf)
+                                                     : ggml_backend_graph_compute(mem->model->cpu, gf);
+    if (status != GGML_STATUS_SUCCESS) {
+        ggml_free(ctx);
+        sekv_set_error("the graph failed to compute");
+        return -1;
+    }
+    ggml_backend_tensor_get(ggml_graph_get_tensor(gf, "logits"), logits, 0, (size_t) info.n_vocab * sizeof(float));
+    if (nll != nullptr && n > 1) {
+        ggml_backend_tensor_get(ggml_graph_get_tensor(gf, "nll"), nll, 0, (size_t) (n - 1) * sizeof(float));
+    }
+    read_zoom(mem, zoom);
     ggml_free(ctx);
-    mem->n_exact += 1;
+    mem->n_exact += n;
     for (int32_t & rows : mem->layer_exact) rows = mem->n_exact;
     return 0;
+}
+
+int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logits) {
+    return run(mem, &token, 1, position, nullptr, logits);
+}
+
+int sekv_prefill(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t position, float * nll, float * logits) {
+    return run(mem, tokens, n, position, nll, logits);
 }

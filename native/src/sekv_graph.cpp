@@ -1,16 +1,22 @@
-// SeKV's decode step as one ggml graph of stock ops (so the same graph can run on any ggml backend).
+// SeKV's decode step, and its prefill chunk, as one ggml graph of stock ops (so the same graph can run on any
+// ggml backend).
 //
-// Per layer: q/k/v from llama.cpp's (quantized) weights, RoPE; the new K/V row is written into the
+// Per layer: q/k/v from llama.cpp's (quantized) weights, RoPE; the new K/V rows are written into the
 // exact rows; routing scores every span by its coarse attention logit + log|S| (max over the KV group's
-// query heads) or, with the learned router, by q'.k'/sqrt(d') + log|S| where it passes the head's
-// threshold; a hard top-k picks the spans to zoom into; their rows are rebuilt from the SVD factors
-// (get_rows + mul_mat), RoPE'd at their original positions; one softmax runs over exact rows, pinned
-// rows (spans a question attended to, kept whole for its answer), summary rows (+log|S|; the zoomed and
-// pinned spans' ones masked) and the rebuilt rows. Pinned spans are never routed.
+// query heads, and over a chunk's tokens) or, with the learned router, by q'.k'/sqrt(d') + log|S| where it
+// passes the head's threshold; a hard top-k picks the spans to zoom into (one choice per chunk, as the torch
+// engine makes it); their rows are rebuilt from the SVD factors (get_rows + mul_mat), RoPE'd at their
+// original positions; one softmax runs over exact rows (a chunk's own rows causally), pinned rows (spans a
+// question attended to, kept whole for its answer), summary rows (+log|S|; the zoomed and pinned spans' ones
+// masked) and the rebuilt rows. Pinned spans are never routed.
+//
+// A chunk's T tokens are laid out as T * G query rows per KV head ([D, T, G, KV], token fastest), so every
+// op that serves one token's G query heads serves the chunk unchanged.
 #include "sekv_internal.h"
 
 #include "llama-model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <utility>
@@ -21,7 +27,8 @@ struct step_builder {
     sekv_memory * mem;
     ggml_context * ctx;
     const sekv_model * m;
-    int64_t D, H, KV, G, n_rows;
+    int64_t D, H, KV, G, n_rows;  // G: query rows per KV head (a chunk's tokens times the query heads of a group)
+    int64_t T = 1;                // tokens (query heads per KV head: G / T)
 
     ggml_tensor * rope(ggml_tensor * x, ggml_tensor * positions, ggml_tensor * factors) const {
         return ggml_rope_ext(ctx, x, positions, factors, (int) D, m->rope_type, m->n_ctx_orig, m->rope_base,
@@ -57,9 +64,11 @@ struct step_builder {
         ggml_tensor * qp = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, proj, ggml_reshape_2d(ctx, q_pre, D, G * KV)), dp, G, KV);
         ggml_tensor * logits = ggml_scale(ctx, ggml_mul_mat(ctx, t.route_k, qp), 1.0f / std::sqrt((float) dp));
         logits = ggml_add(ctx, logits, route_bias);  // [S, G, KV]
-        ggml_tensor * thr = ggml_view_3d(ctx, m->router_thr, 1, G, KV, m->router_thr->nb[0], G * m->router_thr->nb[0],
-                                         il * m->router_thr->nb[1]);
-        ggml_tensor * passed = ggml_step(ctx, ggml_sub(ctx, logits, thr));
+        const int64_t Gh = G / T;  // thresholds are per query head, the same for every token of a chunk
+        ggml_tensor * thr = ggml_view_4d(ctx, m->router_thr, 1, 1, Gh, KV, m->router_thr->nb[0], m->router_thr->nb[0],
+                                         Gh * m->router_thr->nb[0], il * m->router_thr->nb[1]);
+        ggml_tensor * passed = ggml_reshape_3d(ctx, ggml_step(ctx, ggml_sub(ctx, ggml_reshape_4d(ctx, logits, S, T, Gh, KV), thr)),
+                                               S, G, KV);
         ggml_tensor * score = max_over_group(ggml_add(ctx, logits, ggml_scale_bias(ctx, passed, BELOW, -BELOW)));
         ggml_tensor * chosen = ggml_top_k(ctx, score, (int) k);  // i32 [k, KV]
         ggml_tensor * best = ggml_get_rows(ctx, ggml_reshape_3d(ctx, score, 1, S, KV), chosen);  // [1, k, KV]
@@ -67,8 +76,9 @@ struct step_builder {
         return {chosen, ok};
     }
 
-    // attention of one query token q [D, G, KV] (q_pre: the same before RoPE) over the layer's memory -> [D * H, 1]
-    ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor * q_pre, ggml_tensor ** zoom_out,
+    // attention of the query rows q [D, G, KV] (q_pre: the same before RoPE) over the layer's memory -> [D, G, KV];
+    // causal f32 [n_rows, T, 1, 1]: 0 or -inf per exact row and token (a chunk's own rows), nullptr for one token
+    ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor * q_pre, ggml_tensor * causal, ggml_tensor ** zoom_out,
                          ggml_tensor ** passed_out) const {
         const sekv_layer_tensors & t = mem->layers[il];
         const float scale = 1.0f / std::sqrt((float) D);
@@ -82,6 +92,10 @@ struct step_builder {
         ggml_tensor * evt = ggml_view_3d(ctx, t.evt, n_rows, D, KV, t.evt->nb[1], t.evt->nb[2], 0);
         q = ggml_scale(ctx, q, scale);  // every score below is a scaled logit
         ggml_tensor * scores = ggml_mul_mat(ctx, ek, q);  // [n_rows, G, KV]
+        if (causal != nullptr) {
+            scores = ggml_reshape_3d(ctx, ggml_add(ctx, ggml_reshape_4d(ctx, scores, n_rows, T, G / T, KV), causal),
+                                     n_rows, G, KV);
+        }
         if (P > 0) {
             ggml_tensor * pk = ggml_view_3d(ctx, t.pk, D, P, KV, t.pk->nb[1], t.pk->nb[2], 0);
             scores = ggml_concat(ctx, scores, ggml_mul_mat(ctx, pk, q), 0);  // [n_rows + P, G, KV]
@@ -185,7 +199,7 @@ struct step_builder {
             per_span = ggml_cont(ctx, ggml_permute(ctx, per_span, 1, 0, 2, 3));  // [k, D, G * KV]
             out = ggml_add(ctx, out, ggml_reshape_3d(ctx, ggml_sum_rows(ctx, per_span), D, G, KV));
         }
-        return ggml_reshape_2d(ctx, out, D * H, 1);
+        return out;
     }
 };
 
@@ -196,21 +210,56 @@ ggml_tensor * matmul_bias(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, 
 
 }  // namespace
 
-ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggml_tensor ** inp_token,
-                                      ggml_tensor ** inp_pos, sekv_zoom_outputs & zoom) {
+// The chunk's surprisal: -log p(token[i + 1] | up to i) for i < T - 1 from the final hidden rows x [n_embd, T],
+// without a [V, T] tensor: the vocabulary logits are made for a few tokens at a time (each block's buffer is
+// free again once its log-normaliser and target logits are taken). index i32 [T - 1]: (i - b) * V + token[i + 1],
+// b the first token of i's block (blocks of sekv_nll_block(V) tokens).
+static ggml_tensor * chunk_nll(ggml_context * ctx, ggml_tensor * output, ggml_tensor * x, ggml_tensor * index,
+                               int64_t T, int64_t V) {
+    const int64_t block = sekv_nll_block(V);
+    ggml_tensor * nll = nullptr;
+    for (int64_t a = 0; a < T - 1; a += block) {
+        const int64_t n = std::min(block, T - 1 - a);
+        ggml_tensor * xb = ggml_view_2d(ctx, x, x->ne[0], n, x->nb[1], a * x->nb[1]);
+        ggml_tensor * logits = ggml_mul_mat(ctx, output, xb);  // [V, n]
+        ggml_tensor * top = ggml_pool_1d(ctx, logits, GGML_OP_POOL_MAX, (int) V, (int) V, 0);  // [1, n]
+        ggml_tensor * lse = ggml_add(ctx, ggml_log(ctx, ggml_sum_rows(ctx, ggml_exp(ctx, ggml_sub(ctx, logits, top)))), top);
+        ggml_tensor * idx = ggml_view_1d(ctx, index, n, a * index->nb[0]);
+        ggml_tensor * flat = ggml_view_2d(ctx, logits, 1, V * n, sizeof(float), 0);
+        ggml_tensor * target = ggml_reshape_2d(ctx, ggml_get_rows(ctx, flat, idx), 1, n);
+        ggml_tensor * part = ggml_sub(ctx, lse, target);  // [1, n]
+        nll = nll == nullptr ? part : ggml_concat(ctx, nll, part, 1);
+    }
+    return nll;
+}
+
+ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T, bool with_nll, sekv_graph_inputs & in,
+                               sekv_zoom_outputs & zoom) {
     const sekv_model * m = mem->model;
     const llama_model & lm = *m->model;
     const sekv_model_info & info = m->info;
-    const int64_t D = info.head_dim, H = info.n_head, KV = info.n_head_kv;
+    const int64_t D = info.head_dim, H = info.n_head, KV = info.n_head_kv, Gh = H / KV;
     ggml_cgraph * gf = ggml_new_graph_custom(ctx, SEKV_GRAPH_SIZE, false);
 
-    *inp_token = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
-    *inp_pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 1);
-    ggml_set_input(*inp_token);
-    ggml_set_input(*inp_pos);
-    step_builder b{mem, ctx, m, D, H, KV, H / KV, mem->n_exact + 1};
+    in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+    in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+    ggml_set_input(in.tokens);
+    ggml_set_input(in.pos);
+    const int64_t n_rows = mem->n_exact + T;
+    in.causal = nullptr;
+    if (T > 1) {
+        in.causal = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, n_rows, T, 1, 1);
+        ggml_set_input(in.causal);
+    }
+    step_builder b{mem, ctx, m, D, H, KV, T * Gh, n_rows, T};
 
-    ggml_tensor * x = ggml_get_rows(ctx, lm.tok_embd, *inp_token);  // [n_embd, 1]
+    // [D, H, T] (head h = kv * Gh + g) -> query rows [D, T * Gh, KV], token fastest
+    auto query_rows = [&](ggml_tensor * x) {
+        ggml_tensor * r = ggml_permute(ctx, ggml_reshape_4d(ctx, x, D, Gh, KV, T), 0, 2, 3, 1);  // [D, T, Gh, KV]
+        return ggml_reshape_3d(ctx, ggml_cont(ctx, r), D, T * Gh, KV);
+    };
+
+    ggml_tensor * x = ggml_get_rows(ctx, lm.tok_embd, in.tokens);  // [n_embd, T]
     zoom.chosen.assign(info.n_layer, nullptr);
     zoom.passed.assign(info.n_layer, nullptr);
     for (int il = 0; il < info.n_layer; ++il) {
@@ -219,29 +268,31 @@ ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggm
         ggml_tensor * q, * k, * v;
         if (w.wqkv != nullptr) {
             ggml_tensor * qkv = matmul_bias(ctx, w.wqkv, w.wqkv_b, cur);
-            q = ggml_cont(ctx, ggml_view_1d(ctx, qkv, D * H, 0));
-            k = ggml_cont(ctx, ggml_view_1d(ctx, qkv, D * KV, D * H * qkv->nb[0]));
-            v = ggml_cont(ctx, ggml_view_1d(ctx, qkv, D * KV, D * (H + KV) * qkv->nb[0]));
+            q = ggml_cont(ctx, ggml_view_2d(ctx, qkv, D * H, T, qkv->nb[1], 0));
+            k = ggml_cont(ctx, ggml_view_2d(ctx, qkv, D * KV, T, qkv->nb[1], D * H * qkv->nb[0]));
+            v = ggml_cont(ctx, ggml_view_2d(ctx, qkv, D * KV, T, qkv->nb[1], D * (H + KV) * qkv->nb[0]));
         } else {
             q = matmul_bias(ctx, w.wq, w.wq_b, cur);
             k = matmul_bias(ctx, w.wk, w.wk_b, cur);
             v = matmul_bias(ctx, w.wv, w.wv_b, cur);
         }
-        ggml_tensor * q_pre = ggml_reshape_3d(ctx, q, D, H / KV, KV);
-        q = b.rope(ggml_reshape_3d(ctx, q, D, H, 1), *inp_pos, w.rope_freqs);
-        k = b.rope(ggml_reshape_3d(ctx, k, D, KV, 1), *inp_pos, w.rope_freqs);
+        ggml_tensor * q_pre = query_rows(q);
+        q = b.rope(ggml_reshape_3d(ctx, q, D, H, T), in.pos, w.rope_freqs);
+        k = b.rope(ggml_reshape_3d(ctx, k, D, KV, T), in.pos, w.rope_freqs);
 
-        // the new token becomes exact row n_exact of this layer
+        // the new tokens become exact rows [n_exact, n_exact + T) of this layer
         const sekv_layer_tensors & t = mem->layers[il];
         const int64_t row = mem->n_exact;
-        ggml_tensor * k_dst = ggml_view_3d(ctx, t.ek, D, 1, KV, t.ek->nb[1], t.ek->nb[2], row * t.ek->nb[1]);
-        ggml_tensor * v_dst = ggml_view_3d(ctx, t.evt, 1, D, KV, t.evt->nb[1], t.evt->nb[2], row * t.evt->nb[0]);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_3d(ctx, k, D, 1, KV), k_dst));
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_3d(ctx, v, 1, D, KV), v_dst));
+        ggml_tensor * k_dst = ggml_view_3d(ctx, t.ek, D, T, KV, t.ek->nb[1], t.ek->nb[2], row * t.ek->nb[1]);
+        ggml_tensor * v_dst = ggml_view_3d(ctx, t.evt, T, D, KV, t.evt->nb[1], t.evt->nb[2], row * t.evt->nb[0]);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_permute(ctx, k, 0, 2, 1, 3), k_dst));  // [D, T, KV]
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, v, D, KV, T), 1, 2, 0, 3),
+                                               v_dst));  // [T, D, KV]
 
-        ggml_tensor * attn = b.attend(il, ggml_reshape_3d(ctx, q, D, H / KV, KV), q_pre, &zoom.chosen[il],
-                                      &zoom.passed[il]);
-        x = ggml_add(ctx, x, matmul_bias(ctx, w.wo, w.wo_b, attn));
+        ggml_tensor * attn = b.attend(il, query_rows(q), q_pre, in.causal, &zoom.chosen[il], &zoom.passed[il]);
+        // [D, T * Gh, KV] -> [D * H, T]
+        attn = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, attn, D, T, Gh, KV), 0, 3, 1, 2));
+        x = ggml_add(ctx, x, matmul_bias(ctx, w.wo, w.wo_b, ggml_reshape_2d(ctx, attn, D * H, T)));
 
         cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), w.ffn_norm);
         ggml_tensor * gate = ggml_silu(ctx, matmul_bias(ctx, w.ffn_gate, w.ffn_gate_b, cur));
@@ -249,10 +300,20 @@ ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggm
         x = ggml_add(ctx, x, matmul_bias(ctx, w.ffn_down, w.ffn_down_b, ggml_mul(ctx, gate, up)));
     }
     x = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), lm.output_norm);
-    ggml_tensor * logits = ggml_mul_mat(ctx, lm.output, x);
+    ggml_tensor * last = ggml_view_2d(ctx, x, x->ne[0], 1, x->nb[1], (T - 1) * x->nb[1]);
+    ggml_tensor * logits = ggml_mul_mat(ctx, lm.output, last);
     ggml_set_output(logits);
     ggml_set_name(logits, "logits");
     ggml_build_forward_expand(gf, logits);
+    in.nll_index = nullptr;
+    if (with_nll && T > 1) {
+        in.nll_index = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T - 1);
+        ggml_set_input(in.nll_index);
+        ggml_tensor * nll = chunk_nll(ctx, lm.output, x, in.nll_index, T, info.n_vocab);
+        ggml_set_output(nll);
+        ggml_set_name(nll, "nll");
+        ggml_build_forward_expand(gf, nll);
+    }
     for (const auto * outputs : {&zoom.chosen, &zoom.passed}) {
         for (ggml_tensor * z : *outputs) {
             if (z != nullptr) ggml_build_forward_expand(gf, z);

@@ -103,6 +103,17 @@ struct sekv_zoom_outputs {
     std::vector<ggml_tensor *> passed;
 };
 
-// The decode graph of one token.
-ggml_cgraph * sekv_build_decode_graph(sekv_memory * mem, ggml_context * ctx, ggml_tensor ** inp_token,
-                                      ggml_tensor ** inp_pos, sekv_zoom_outputs & zoom);
+// Tokens per block of a chunk's vocabulary logits (about 16 MiB of them) when its surprisal is computed.
+inline int64_t sekv_nll_block(int64_t n_vocab) { return n_vocab >= (4 << 20) ? 1 : (4 << 20) / n_vocab; }
+
+// A graph's inputs: token ids i32 [T], positions i32 [T], the causal mask of a chunk's own rows f32
+// [n_rows, T, 1, 1] (nullptr for one token), the surprisal targets i32 [T - 1] ((i - b) * n_vocab + token[i + 1], b the first token of i's block;
+// nullptr when not asked for).
+struct sekv_graph_inputs {
+    ggml_tensor * tokens = nullptr, * pos = nullptr, * causal = nullptr, * nll_index = nullptr;
+};
+
+// The graph of T tokens (a decode step: T = 1; a prefill chunk otherwise): outputs "logits" (the last token's)
+// and, with with_nll, "nll" [1, T - 1].
+ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T, bool with_nll, sekv_graph_inputs & in,
+                               sekv_zoom_outputs & zoom);

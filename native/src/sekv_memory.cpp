@@ -320,6 +320,26 @@ int sekv_memory_set_layer_pins(sekv_memory * mem, int32_t layer, int32_t n_rows,
     return 0;
 }
 
+int sekv_memory_get_exact(const sekv_memory * mem, int32_t layer, int32_t first, int32_t n, uint16_t * k, uint16_t * v) {
+    if (!check_layer(mem, layer)) return -1;
+    if (first < 0 || n < 0 || first + n > mem->n_exact) {
+        sekv_set_error("exact rows out of range");
+        return -1;
+    }
+    const int64_t KV = mem->model->info.n_head_kv, D = mem->model->info.head_dim;
+    const auto & t = mem->layers[layer];
+    std::vector<uint16_t> col((size_t) n);
+    for (int64_t h = 0; h < KV; ++h) {
+        ggml_backend_tensor_get(t.ek, k + h * n * D, (size_t) (h * t.ek->nb[2] + first * t.ek->nb[1]), (size_t) (n * D) * 2);
+        for (int64_t d = 0; d < D; ++d) {  // values are stored transposed: one strip per (head, dim)
+            ggml_backend_tensor_get(t.evt, col.data(), (size_t) (h * t.evt->nb[2] + d * t.evt->nb[1] + first * 2),
+                                    (size_t) n * 2);
+            for (int32_t i = 0; i < n; ++i) v[(h * n + i) * D + d] = col[i];
+        }
+    }
+    return 0;
+}
+
 int32_t sekv_memory_n_exact(const sekv_memory * mem) { return mem->n_exact; }
 
 int sekv_memory_bytes(const sekv_memory * mem, uint64_t * device, uint64_t * host, uint64_t * compute) {

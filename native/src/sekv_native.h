@@ -117,6 +117,19 @@ SEKV_API int sekv_memory_set_layer_pins(sekv_memory * memory, int32_t layer, int
 /* One token at `position`: appends its K/V to the exact rows of every layer; logits float [n_vocab]. */
 SEKV_API int sekv_decode(sekv_memory * memory, int32_t token, int32_t position, float * logits);
 
+/* A prefill chunk: n tokens at positions position .. position + n - 1, after every row the memory holds. Each
+ * token attends to the memory as it stands and causally to the chunk's earlier tokens; the chunk makes one
+ * zoom choice per layer and KV head (the most any of its tokens' query heads gives a span, as the torch
+ * engine routes a chunk). The chunk's rows are appended to every layer's exact rows (read them back with
+ * sekv_memory_get_exact). nll float [n - 1]: -log p(tokens[i + 1] | up to tokens[i]), computed without a
+ * [n, n_vocab] buffer (nullptr: not computed); logits float [n_vocab]: the last token's. */
+SEKV_API int sekv_prefill(sekv_memory * memory, const int32_t * tokens, int32_t n, int32_t position, float * nll,
+                          float * logits);
+
+/* Exact rows [first, first + n) of one layer: k, v [KV][n][D] (k post-RoPE at each token's own position). */
+SEKV_API int sekv_memory_get_exact(const sekv_memory * memory, int32_t layer, int32_t first, int32_t n, uint16_t * k,
+                                   uint16_t * v);
+
 SEKV_API int32_t sekv_memory_n_exact(const sekv_memory * memory);
 /* device: the persistent device-tier buffer; host: span factors; compute: the step's graph buffer
  * (activations plus the zoom working set) as allocated by the last decode. */

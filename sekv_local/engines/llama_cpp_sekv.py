@@ -1,10 +1,13 @@
-"""`--engine llama.cpp`: SeKV decoding in the native library (llama.cpp's loader and quantized kernels).
+"""`--engine llama.cpp`: SeKV in the native library (llama.cpp's loader and quantized kernels).
 
-The torch engine stays the ground truth and, for now, does the prefill: it reads the document (and
-each user turn) in chunks, segments and compresses it; its memory is then imported into the native
-memory and every generated token is decoded natively. Tokens decoded natively are fed back to the
-torch memory before its next prefill (or when the native exact rows are full), so both hold the
-same conversation.
+With `prefill=native` the document is read natively, one chunk per graph: each chunk attends to
+the memory built so far and causally to itself, and hands back its K/V rows and its tokens' surprisal; the
+torch SeKV memory does the bookkeeping on the host (segmentation, span factors, summaries: no forward pass)
+and the next chunk's native memory is made from it. A question's chunk (select=question: an exact pass over
+every span that chooses the answer's pins) is still read by the torch engine. Every generated token is
+decoded natively. Tokens decoded natively are fed back to the torch memory before its next prefill (or when
+the native exact rows are full), so both hold the same conversation. `prefill=torch` (the default until a
+chunk's compute buffer is bounded by the device budget) reads everything with the torch engine.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ DECODE_ROOM = 256
 # step reads only the zoomed rows) or "factors" (the SVD factors; each step rebuilds the zoomed spans).
 # On a CPU the per-step rebuild dominates decode time (measured: docs/RESULTS.md), so "rows" is the default.
 HOST_FORMS = ("rows", "factors")
+#: who reads the document's chunks: the native graph (the torch memory only keeps the books) or the torch engine
+PREFILLS = ("native", "torch")
 
 
 @lru_cache(maxsize=2)
@@ -56,6 +61,9 @@ class LlamaCppSekvEngine(Engine):
         self.host_form = method_options.pop("host", "rows")
         if self.host_form not in HOST_FORMS:
             raise SekvError(f"engine 'llama.cpp': host must be one of {', '.join(HOST_FORMS)}, got {self.host_form!r}")
+        self.prefill = method_options.pop("prefill", "torch")
+        if self.prefill not in PREFILLS:
+            raise SekvError(f"engine 'llama.cpp': prefill must be one of {', '.join(PREFILLS)}, got {self.prefill!r}")
         options = dataclasses.replace(options, method_options=method_options)
         self.reference = TorchEngine(gguf_path, tokenizer, options)
         super().__init__(self.reference.config, tokenizer, options)
@@ -119,7 +127,7 @@ class LlamaCppSekvEngine(Engine):
                 self.reference.n_tokens = self.n_tokens + 1 - len(tokens)
                 return self._replay(tokens)
             self.reference.n_tokens = self.n_tokens
-            logits = self.reference._forward(tokens, prefill=True)
+            logits = self._prefill_chunk(tokens)
             self.reference.n_tokens = self.n_tokens + len(tokens)
             return logits
         if self.native is None:
@@ -131,18 +139,51 @@ class LlamaCppSekvEngine(Engine):
         self._native_peak = max(self._native_peak, used.device + used.compute)
         return logits
 
-    def _record_zoom(self) -> None:
+    def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
+        """One prefill chunk at reference.n_tokens: read natively unless it is a question's (or prefill=torch)."""
+        ref, cache = self.reference, self.reference.cache
+        if self.prefill == "torch" or cache.is_question_chunk(is_prefill=True):
+            return ref._forward(tokens, prefill=True)
+        from ..models.transformer import ChunkScores
+        from ..native.memory_export import native_memory
+
+        cache.begin_chunk(torch.arange(ref.n_tokens, ref.n_tokens + len(tokens), device=ref.device), is_prefill=True)
+        # the memory as the torch books hold it now, with room for the chunk's rows; its zoom pool is the chunk's
+        memory = native_memory(self.native_model, cache, len(tokens) + 1, zoom_k=cache._step_zoom_k)
+        try:
+            first = memory.n_exact
+            nll, logits = memory.prefill(tokens, ref.n_tokens)
+            for i, layer in enumerate(cache.layers):
+                k, v = memory.get_exact(i, first, len(tokens))
+                layer.pend_k.append(torch.from_numpy(k).to(ref.device))
+                layer.pend_v.append(torch.from_numpy(v).to(ref.device))
+            self._record_zoom(memory, decode_step=False)
+            used = memory.bytes()
+            self._native_peak = max(self._native_peak, used.device + used.compute)
+        finally:
+            memory.close()
+        scores = ChunkScores(torch.from_numpy(logits)[None], torch.from_numpy(nll))
+        if ref._last_logits is not None:  # the row before the chunk predicted its first token
+            previous = torch.from_numpy(ref._last_logits)
+            scores.first_nll = float(torch.logsumexp(previous, dim=-1) - previous[int(tokens[0])])
+        cache.end_chunk(scores, torch.tensor(tokens, dtype=torch.long))
+        ref._last_logits = logits
+        return logits
+
+    def _record_zoom(self, memory: Any = None, decode_step: bool = True) -> None:
         """The step's zoom choices into the torch memory's observations (the document map), and the host
         bytes they read into its host-read count."""
+        memory = self.native if memory is None else memory
         cache = self.reference.cache
         reads = 0
         for layer in range(self.config.n_layers):
-            chosen = self.native.last_zoom(layer)
+            chosen = memory.last_zoom(layer)
             if chosen.size:
                 cache._zoom_events.append((layer, torch.from_numpy(chosen.astype(np.int64))))
-                reads += int(self.native.span_read_bytes[layer][chosen[chosen >= 0]].sum())
-        cache.host_reads.steps += 1
-        cache.host_reads.count(reads, decode_step=True)
+                reads += int(memory.span_read_bytes[layer][chosen[chosen >= 0]].sum())
+        if decode_step:
+            cache.host_reads.steps += 1
+        cache.host_reads.count(reads, decode_step=decode_step)
 
     def finish_prefill(self) -> None:
         self._fold_back()

@@ -52,6 +52,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "sekv_memory_set_layer_spans": (ctypes.c_int, [_p, _c_int, _p, _p, ctypes.POINTER(SpanRows),
                                                    ctypes.POINTER(SpanRows)]),
     "sekv_decode": (ctypes.c_int, [_p, _c_int, _c_int, _p]),
+    "sekv_prefill": (ctypes.c_int, [_p, _p, _c_int, _c_int, _p, _p]),
+    "sekv_memory_get_exact": (ctypes.c_int, [_p, _c_int, _c_int, _c_int, _p, _p]),
     "sekv_memory_n_exact": (_c_int, [_p]),
     "sekv_memory_bytes": (ctypes.c_int, [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
                                          ctypes.POINTER(ctypes.c_uint64)]),
@@ -264,6 +266,25 @@ class NativeMemory(_Handle):
         """Logits [vocab] after `token` at `position` (a copy)."""
         _check(self.lib, self.lib.sekv_decode(self.handle, int(token), int(position), _ptr(self._logits)), "decode")
         return self._logits.copy()
+
+    def prefill(self, tokens: list[int] | np.ndarray, position: int, surprisal: bool = True
+                ) -> tuple[np.ndarray | None, np.ndarray]:
+        """A prefill chunk of n tokens from `position` on, appended to the exact rows: (nll float32 [n - 1],
+        -log p(tokens[i + 1] | up to i), or None when not asked for; the last token's logits [vocab])."""
+        ids = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+        nll = np.empty(max(ids.size - 1, 1), dtype=np.float32) if surprisal else None
+        _check(self.lib, self.lib.sekv_prefill(self.handle, _ptr(ids), int(ids.size), int(position),
+                                               None if nll is None else _ptr(nll), _ptr(self._logits)), "prefill")
+        return (None if nll is None else nll[: ids.size - 1]), self._logits.copy()
+
+    def get_exact(self, layer: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact rows [first, first + n) of `layer`: k, v float16 [KV, n, D] (k post-RoPE)."""
+        info = self.model.info
+        k = np.empty((info.n_head_kv, n, info.head_dim), dtype=np.float16)
+        v = np.empty_like(k)
+        _check(self.lib, self.lib.sekv_memory_get_exact(self.handle, layer, int(first), int(n), _ptr(k), _ptr(v)),
+               "get_exact")
+        return k, v
 
     @property
     def n_exact(self) -> int:

@@ -185,8 +185,9 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
 
 
 def native_memory(model: NativeModel, cache: SekvCache, room: int, decompress: bool = False,
-                  scheduler: bool = False) -> NativeMemory:
-    """A native memory holding `cache` with `room` exact rows free for decoding. With the learned router,
+                  scheduler: bool = False, zoom_k: int | None = None) -> NativeMemory:
+    """A native memory holding `cache` with `room` exact rows free for decoding (or prefill chunks); its steps
+    zoom `zoom_k` spans (default: the cache's decode pool). With the learned router,
     the model routes with the cache's router parameters: the ones it read from its GGUF when they are the
     same, else they are set from here (a packaged or freshly trained router)."""
     exported = export_memory(cache, decompress=decompress)
@@ -197,7 +198,8 @@ def native_memory(model: NativeModel, cache: SekvCache, room: int, decompress: b
         if have is None or any(a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(have, exported.router)):
             model.set_router(*exported.router)
     memory = NativeMemory(model, exported.n_exact + room, S, exported.span_rows, exported.rank,
-                          cache.decode_zoom_k() if S else 0, cache.cfg.summary_bias, factored, raw,
+                          (cache.decode_zoom_k() if zoom_k is None else zoom_k) if S else 0, cache.cfg.summary_bias,
+                          factored, raw,
                           scheduler=scheduler, learned_router=exported.router is not None,
                           pin_rows=exported.pin_rows())
     try:

@@ -60,6 +60,9 @@ class SekvConfig:
         most of the document back).
     pin_score: how select=question ranks spans by the question's attention: the most any head gives a span from
         any question token ("max"), from the question's last token ("last"), or averaged over its tokens ("mean").
+    pin_spread: with select=question, each span's neighbours in the document get this fraction of its score
+        before the pins are picked (0 = off), so a fact that a span boundary cut in two (a needle's key in one
+        span, its value's digits in the next) is pinned whole; 0.5 keeps a neighbour below the span it came from.
     read_budget: host bytes a decode step may gather (routed spans' stored rows or factors): a fraction of the
         full-KV bytes (float <= 1) or bytes (int); "auto": 0.05 with select=question, unbounded with
         select=step. Caps the routed pool of a decode step; prefill chunks keep the device-sized pool.
@@ -104,6 +107,7 @@ class SekvConfig:
     rank_rule: str = "auto"
     select: str = "question"
     pin_score: str = "max"
+    pin_spread: float = 0.5
     read_budget: float | int | str = "auto"
     answer_room: int | str = "auto"
     routing_dim: int = 32
@@ -133,6 +137,8 @@ class SekvConfig:
         need(self.rank_rule in RANK_RULES, f"rank_rule must be one of {RANK_RULES}")
         need(self.select in SELECTIONS, f"select must be one of {SELECTIONS}")
         need(self.pin_score in PIN_SCORES, f"pin_score must be one of {PIN_SCORES}")
+        need(isinstance(self.pin_spread, (int, float)) and not isinstance(self.pin_spread, bool)
+             and 0 <= self.pin_spread <= 1, "pin_spread must be a number in [0, 1]")
         need(self.read_budget == "auto" or (isinstance(self.read_budget, float) and 0 < self.read_budget <= 1)
              or (isinstance(self.read_budget, int) and not isinstance(self.read_budget, bool) and self.read_budget > 0),
              "read_budget must be 'auto', a fraction in (0, 1] or a positive number of bytes")

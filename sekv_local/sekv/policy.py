@@ -26,7 +26,8 @@ from ..models.rope import Rope
 from .buffers import RowBuffer, VecBuffer
 from .config import FILE_CHOICES, SekvConfig
 from .factors import FactorStore
-from .question import PinnedRows, block_attention_with_span_lse, pick_spans, question_span_score
+from .question import (PinnedRows, block_attention_with_span_lse, pick_spans, question_span_score,
+                       spread_to_neighbours)
 from .router import Router, bound_scores, key_bounds
 from .segmentation import RunningStats, segment, token_surprisal
 
@@ -263,9 +264,14 @@ class SekvCache(CachePolicy):
         return None if self.cfg.positions == "bounded" else self.config.context_length
 
     # -- positions ---------------------------------------------------------------------------------
-    def begin_chunk(self, positions: torch.Tensor, is_prefill: bool) -> None:
-        question = self.cfg.select == "question" and is_prefill and self._doc_read and self.span_len.length > 0 \
+    def is_question_chunk(self, is_prefill: bool) -> bool:
+        """Whether the next chunk is a question's (select=question: a prefill after the document, not an answer
+        fed back): it attends exactly over every span and chooses the answer's pins."""
+        return self.cfg.select == "question" and is_prefill and self._doc_read and self.span_len.length > 0 \
             and not self._replay
+
+    def begin_chunk(self, positions: torch.Tensor, is_prefill: bool) -> None:
+        question = self.is_question_chunk(is_prefill)
         if question and self.pend_pos.length - self.recent >= self.l_max:
             # a question longer than a chunk: what its earlier chunks left past the recent window folds, as a
             # prefill's would, so the pending rows stay within the room the plan holds for them (the last
@@ -515,7 +521,8 @@ class SekvCache(CachePolicy):
         for layer, L in enumerate(self.layers):
             mass = self._question_mass[layer]
             if mass is not None:
-                self._pin(layer, L, pick_spans(mass, self.span_len.view()[: mass.shape[0]], rows))
+                score = spread_to_neighbours(mass, self.cfg.pin_spread)
+                self._pin(layer, L, pick_spans(score, self.span_len.view()[: mass.shape[0]], rows))
         self._question_mass = [None] * self.config.n_layers
         self._note_peak()
 

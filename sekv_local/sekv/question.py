@@ -59,6 +59,16 @@ def question_span_score(mass: torch.Tensor, rule: str) -> torch.Tensor:
     raise ValueError(f"unknown pin score {rule!r}")
 
 
+def spread_to_neighbours(score: torch.Tensor, weight: float) -> torch.Tensor:
+    """score [S] (spans in document order) -> [S]: each span scores at least `weight` times either neighbour's
+    score. A fact cut by a span boundary then ranks its second half right after its first."""
+    if weight <= 0 or score.numel() < 2:
+        return score
+    zero = score.new_zeros(1)
+    neighbours = torch.maximum(torch.cat([zero, score[:-1]]), torch.cat([score[1:], zero]))
+    return torch.maximum(score, weight * neighbours)
+
+
 def pick_spans(score: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
     """The best-scored spans whose rows fit in `rows`: score, lengths [S] -> span ids [n] in score order.
     Spans are taken in score order while their total length fits (a span that would overflow ends it)."""
