@@ -458,6 +458,47 @@ def test_llama_cpp_engine_answers_like_torch(tokenizer, library, monkeypatch) ->
 
 
 @pytest.mark.slow
+def test_native_prefill_builds_the_memory_torch_builds_on_the_same_weights(f32_model, tokenizer, library) -> None:
+    """The llama.cpp engine reads a 2K-token document natively (no torch forward pass for its chunks): the span
+    table, anchors and answer are torch's, and the device peak, the chunks' compute buffers counted, stays
+    within the budget."""
+    load_library(library)
+    sample = generate_sample("niah_single", 2000, seed=5, count_tokens=tokenizer.count, depth=0.4)
+    from sekv_local.engines.llama_cpp_sekv import DECODE_ROOM
+
+    # the llama.cpp engine's pins leave room for its decode room (answer_room): the torch side alike
+    settings = SessionSettings(engine="torch", method="sekv", budget=0.25, threads=2, max_new_tokens=24,
+                               method_options=(("answer_room", DECODE_ROOM),))
+    sessions, torch_tokens = {}, []
+    for engine in ("torch", "llama.cpp"):
+        options = dataclasses.replace(settings, engine=engine).engine_options()
+        if engine == "llama.cpp":
+            options.method_options["prefill"] = "native"
+        eng = create_engine(engine, f32_model, tokenizer, options)
+        if engine == "llama.cpp":  # count the tokens the torch model reads inside the llama.cpp engine
+            model = eng.reference.model
+            forward = model.forward
+            model.forward = lambda ids, *a, **kw: (torch_tokens.append(int(ids.shape[0])), forward(ids, *a, **kw))[1]
+        sessions[engine] = Session(eng, Document.from_text(sample.document), dataclasses.replace(settings, engine=engine),
+                                   f32_model)
+        sessions[engine].ingest()
+    assert not torch_tokens  # the document's chunks never ran the torch model
+    torch_cache, native_cache = sessions["torch"].engine.cache, sessions["llama.cpp"].engine.reference.cache
+    for name in ("span_pos", "span_len", "exact_pos"):
+        a, b = getattr(torch_cache, name).view(), getattr(native_cache, name).view()
+        print(name, a.shape, b.shape)
+        assert a.shape == b.shape and torch.equal(a, b), name
+    np.testing.assert_allclose(native_cache.layers[5].sum_k.view().float(), torch_cache.layers[5].sum_k.view().float(),
+                               atol=0.05, rtol=0.02)
+    answers = [sessions[e].answer(sample.questions[0].text) for e in ("torch", "llama.cpp")]
+    print([a.text for a in answers])
+    assert answers[0].text == answers[1].text
+    memory = sessions["llama.cpp"].engine.memory()
+    assert memory.device_peak_bytes <= 0.25 * memory.full_kv_bytes
+    assert 0 < sum(torch_tokens) < 100  # the question's chunk only (select=question's exact pass)
+
+
+@pytest.mark.slow
 def test_bench_shares_the_torch_prefill_with_the_llama_cpp_engine(tmp_path, library) -> None:
     out = tmp_path / "bench"
     proc = run_cli("bench", "--tasks", "niah_single", "--lengths", "1k", "--samples", "2", "--engine", "torch,llama.cpp",

@@ -80,7 +80,12 @@ static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t pos
             return -1;
         }
     }
-    const size_t meta = ggml_tensor_overhead() * SEKV_GRAPH_SIZE + ggml_graph_overhead_custom(SEKV_GRAPH_SIZE, false);
+    const size_t nodes = sekv_graph_nodes(mem, n);
+    if (mem->sched != nullptr && nodes > SEKV_SCHED_GRAPH_SIZE) {
+        sekv_set_error("a chunk this long needs a larger graph than the scheduler holds: use shorter chunks");
+        return -1;
+    }
+    const size_t meta = ggml_tensor_overhead() * nodes + ggml_graph_overhead_custom(nodes, false);
     mem->graph_meta.resize(meta);
     ggml_init_params ip = {meta, mem->graph_meta.data(), true};
     ggml_context * ctx = ggml_init(ip);

@@ -10,8 +10,8 @@
 // question attended to, kept whole for its answer), summary rows (+log|S|; the zoomed and pinned spans' ones
 // masked) and the rebuilt rows. Pinned spans are never routed.
 //
-// A chunk's T tokens are laid out as T * G query rows per KV head ([D, T, G, KV], token fastest), so every
-// op that serves one token's G query heads serves the chunk unchanged.
+// A chunk's T tokens are laid out as G * T query rows per KV head ([D, G, T, KV], query head fastest), so every
+// op that serves one token's G query heads serves the chunk unchanged, and a block of tokens is a slice.
 #include "sekv_internal.h"
 
 #include "llama-model.h"
@@ -46,10 +46,14 @@ struct step_builder {
         return ggml_reshape_2d(ctx, best, a->ne[0], a->ne[2]);
     }
 
-    // slots of the chosen spans in a table whose KV heads are stacked: i32 [k, G * KV], one row per query head
-    ggml_tensor * head_slots(ggml_tensor * table, ggml_tensor * chosen, int64_t k) const {
-        ggml_tensor * slots = ggml_reshape_3d(ctx, ggml_get_rows(ctx, table, chosen), k, 1, KV);
-        return ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, slots, k, G, KV, 1), k, G * KV);
+    // slots of the chosen spans in a table whose KV heads are stacked: i32 [k, 1, KV]
+    ggml_tensor * table_slots(ggml_tensor * table, ggml_tensor * chosen, int64_t k) const {
+        return ggml_reshape_3d(ctx, ggml_get_rows(ctx, table, chosen), k, 1, KV);
+    }
+
+    // the same slots for each of g query rows per KV head: i32 [k, g * KV] (mul_mat_id's ids)
+    ggml_tensor * row_slots(ggml_tensor * slots, int64_t k, int64_t g) const {
+        return ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, slots, k, g, KV, 1), k, g * KV);
     }
 
     // The learned router's choice: q_pre [D, G, KV] (before RoPE) -> chosen spans i32 [k, KV] and whether
@@ -65,9 +69,9 @@ struct step_builder {
         ggml_tensor * logits = ggml_scale(ctx, ggml_mul_mat(ctx, t.route_k, qp), 1.0f / std::sqrt((float) dp));
         logits = ggml_add(ctx, logits, route_bias);  // [S, G, KV]
         const int64_t Gh = G / T;  // thresholds are per query head, the same for every token of a chunk
-        ggml_tensor * thr = ggml_view_4d(ctx, m->router_thr, 1, 1, Gh, KV, m->router_thr->nb[0], m->router_thr->nb[0],
-                                         Gh * m->router_thr->nb[0], il * m->router_thr->nb[1]);
-        ggml_tensor * passed = ggml_reshape_3d(ctx, ggml_step(ctx, ggml_sub(ctx, ggml_reshape_4d(ctx, logits, S, T, Gh, KV), thr)),
+        const size_t f = m->router_thr->nb[0];
+        ggml_tensor * thr = ggml_view_4d(ctx, m->router_thr, 1, Gh, 1, KV, f, Gh * f, Gh * f, il * m->router_thr->nb[1]);
+        ggml_tensor * passed = ggml_reshape_3d(ctx, ggml_step(ctx, ggml_sub(ctx, ggml_reshape_4d(ctx, logits, S, Gh, T, KV), thr)),
                                                S, G, KV);
         ggml_tensor * score = max_over_group(ggml_add(ctx, logits, ggml_scale_bias(ctx, passed, BELOW, -BELOW)));
         ggml_tensor * chosen = ggml_top_k(ctx, score, (int) k);  // i32 [k, KV]
@@ -76,102 +80,117 @@ struct step_builder {
         return {chosen, ok};
     }
 
-    // attention of the query rows q [D, G, KV] (q_pre: the same before RoPE) over the layer's memory -> [D, G, KV];
-    // causal f32 [n_rows, T, 1, 1]: 0 or -inf per exact row and token (a chunk's own rows), nullptr for one token
-    ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor * q_pre, ggml_tensor * causal, ggml_tensor ** zoom_out,
-                         ggml_tensor ** passed_out) const {
-        const sekv_layer_tensors & t = mem->layers[il];
-        const float scale = 1.0f / std::sqrt((float) D);
-        const int64_t S = mem->params.n_spans;
-        const bool pins = t.n_pinned_spans > 0;
-        // the pinned spans leave fewer to route, so a top-k never has to take a masked one
-        const int64_t k = std::min<int64_t>(mem->params.zoom_k, S - t.n_pinned_spans);
-        const int64_t l = mem->params.span_rows, R = mem->params.rank, P = t.n_pin_rows;
+    // A layer's zoom for a step or a chunk: the spans chosen from all its query rows and what reading them
+    // needs, made once for every query block.
+    struct zoom_set {
+        int64_t k = 0;                       // spans per KV head (0: none routed)
+        ggml_tensor * zk = nullptr;          // factored spans' keys, rebuilt and rotated [D, l * k, KV]
+        ggml_tensor * zv_fact = nullptr;     // factored spans' values, rebuilt [l, D, k * KV]
+        ggml_tensor * k_slots = nullptr;     // raw spans' slots i32 [k, 1, KV] in the key table
+        ggml_tensor * v_slots = nullptr;     // ... and in the value table
+        ggml_tensor * zmask = nullptr;       // padding and empty slots: 0 / -inf [l * k, 1, KV]
+        ggml_tensor * coarse_bias = nullptr; // each summary row's bias [S, 1, KV], zoomed and pinned spans out
+    };
 
+
+    // Route (q scaled [D, G, KV], q_pre before RoPE) and gather the zoomed spans' rows.
+    zoom_set zoom(int il, ggml_tensor * q, ggml_tensor * q_pre, ggml_tensor ** zoom_out, ggml_tensor ** passed_out) const {
+        const sekv_layer_tensors & t = mem->layers[il];
+        const int64_t S = mem->params.n_spans, l = mem->params.span_rows, R = mem->params.rank;
+        zoom_set z;
+        ggml_tensor * span_bias = mem->coarse_bias, * route_bias = mem->route_bias;
+        if (t.n_pinned_spans > 0) {
+            span_bias = ggml_add(ctx, span_bias, ggml_reshape_3d(ctx, t.pin_bias, 1, S, 1));
+            route_bias = ggml_add(ctx, route_bias, t.pin_bias);
+        }
+        ggml_tensor * coarse_bias = ggml_repeat_4d(ctx, span_bias, 1, S, KV, 1);
+        // the pinned spans leave fewer to route, so a top-k never has to take a masked one
+        z.k = std::min<int64_t>(mem->params.zoom_k, S - t.n_pinned_spans);
+        if (z.k <= 0) {
+            z.k = 0;
+            z.coarse_bias = ggml_reshape_3d(ctx, ggml_cont(ctx, coarse_bias), S, 1, KV);
+            return z;
+        }
+        const int64_t k = z.k;
+        ggml_tensor * chosen = nullptr, * ok = nullptr;
+        if (mem->params.router) {
+            std::tie(chosen, ok) = learned_route(il, q_pre, route_bias, k);
+            ggml_set_output(ok);
+            *passed_out = ok;
+        } else {
+            ggml_tensor * route = max_over_group(ggml_add(ctx, ggml_mul_mat(ctx, t.sk, q), route_bias));  // [S, KV]
+            chosen = ggml_top_k(ctx, route, (int) k);  // i32 [k, KV]
+        }
+        ggml_set_output(chosen);
+        *zoom_out = chosen;
+        // Zoomed rows: a factored span's rows are rebuilt (U W, then RoPE at their own positions); a raw
+        // span's rows are read where they lie (mul_mat_id picks each head's spans from the table). A span is
+        // in one table and reads the other's zero slot: the terms add up.
+        if (t.n_raw[0] > 0) z.k_slots = table_slots(t.k_rslot, chosen, k);
+        if (t.n_factored[0] > 0) {
+            ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.k_fslot, chosen), k, KV);
+            ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uk, f), R, l, k * KV);
+            ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wk, f), R, D, k * KV);
+            ggml_tensor * zpos = ggml_reshape_1d(ctx, ggml_get_rows(ctx, mem->row_pos, chosen), l * k * KV);
+            ggml_tensor * zk = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w, u), D, 1, l * k * KV);
+            z.zk = ggml_reshape_3d(ctx, rope(zk, zpos, m->model->layers[il].rope_freqs), D, l * k, KV);
+        }
+        if (t.n_factored[1] > 0) {
+            ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.v_fslot, chosen), k, KV);
+            ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uv, f), R, l, k * KV);
+            ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wv, f), R, D, k * KV);
+            z.zv_fact = ggml_mul_mat(ctx, u, w);  // [l, D, k*KV]
+        }
+        if (t.n_raw[1] > 0) {
+            z.v_slots = t.same_raw_slots && z.k_slots != nullptr ? z.k_slots : table_slots(t.v_rslot, chosen, k);
+        }
+        z.zmask = ggml_reshape_3d(ctx, ggml_get_rows(ctx, mem->row_mask, chosen), l * k, 1, KV);
+        // a zoomed span is represented by its rows only: its summary row leaves the softmax
+        ggml_tensor * summary_out = ggml_view_3d(ctx, mem->neg_inf, 1, k, KV, mem->neg_inf->nb[1], mem->neg_inf->nb[2], 0);
+        if (ok != nullptr) {  // a slot whose span did not pass: its rows out, its summary row kept
+            constexpr float OUT = -1e30f;  // finite: ok * OUT must not be inf * 0
+            ggml_tensor * rows_out = ggml_repeat_4d(ctx, ggml_scale_bias(ctx, ok, -OUT, OUT), l, k, KV, 1);
+            z.zmask = ggml_add(ctx, z.zmask, ggml_reshape_3d(ctx, rows_out, l * k, 1, KV));
+            summary_out = ggml_add(ctx, ggml_get_rows(ctx, coarse_bias, chosen), ggml_scale(ctx, ok, OUT));
+        }
+        z.coarse_bias = ggml_reshape_3d(ctx, ggml_set_rows(ctx, coarse_bias, summary_out, chosen), S, 1, KV);
+        return z;
+    }
+
+    // Attention of g query rows per KV head, q scaled [D, g, KV] (n tokens: g = n * Gh), over the layer's memory
+    // and zoom z -> [D, g, KV]; causal f32 [n_rows, 1, n, 1] or nullptr for one token.
+    ggml_tensor * attend_rows(int il, ggml_tensor * q, int64_t g, ggml_tensor * causal, const zoom_set & z) const {
+        const sekv_layer_tensors & t = mem->layers[il];
+        const int64_t S = mem->params.n_spans, l = mem->params.span_rows, P = t.n_pin_rows, k = z.k;
         ggml_tensor * ek = ggml_view_3d(ctx, t.ek, D, n_rows, KV, t.ek->nb[1], t.ek->nb[2], 0);
         ggml_tensor * evt = ggml_view_3d(ctx, t.evt, n_rows, D, KV, t.evt->nb[1], t.evt->nb[2], 0);
-        q = ggml_scale(ctx, q, scale);  // every score below is a scaled logit
-        ggml_tensor * scores = ggml_mul_mat(ctx, ek, q);  // [n_rows, G, KV]
+        ggml_tensor * scores = ggml_mul_mat(ctx, ek, q);  // [n_rows, g, KV]
         if (causal != nullptr) {
-            scores = ggml_reshape_3d(ctx, ggml_add(ctx, ggml_reshape_4d(ctx, scores, n_rows, T, G / T, KV), causal),
-                                     n_rows, G, KV);
+            const int64_t Gh = G / T;
+            scores = ggml_reshape_3d(ctx, ggml_add(ctx, ggml_reshape_4d(ctx, scores, n_rows, Gh, g / Gh, KV), causal),
+                                     n_rows, g, KV);
         }
         if (P > 0) {
             ggml_tensor * pk = ggml_view_3d(ctx, t.pk, D, P, KV, t.pk->nb[1], t.pk->nb[2], 0);
-            scores = ggml_concat(ctx, scores, ggml_mul_mat(ctx, pk, q), 0);  // [n_rows + P, G, KV]
+            scores = ggml_concat(ctx, scores, ggml_mul_mat(ctx, pk, q), 0);  // [n_rows + P, g, KV]
         }
         const int64_t n_direct = n_rows + P;  // rows attended as they are: exact, then pinned
-        ggml_tensor * zv_fact = nullptr, * v_slots = nullptr;
         if (S > 0) {
-            ggml_tensor * coarse = ggml_mul_mat(ctx, t.sk, q);  // [S, G, KV]
-            ggml_tensor * span_bias = mem->coarse_bias, * route_bias = mem->route_bias;
-            if (pins) {
-                span_bias = ggml_add(ctx, span_bias, ggml_reshape_3d(ctx, t.pin_bias, 1, S, 1));
-                route_bias = ggml_add(ctx, route_bias, t.pin_bias);
-            }
-            ggml_tensor * coarse_bias = ggml_repeat_4d(ctx, span_bias, 1, S, KV, 1);
-            if (k > 0) {
-                ggml_tensor * chosen = nullptr, * ok = nullptr;
-                if (mem->params.router) {
-                    std::tie(chosen, ok) = learned_route(il, q_pre, route_bias, k);
-                    ggml_set_output(ok);
-                    *passed_out = ok;
-                } else {
-                    ggml_tensor * route = max_over_group(ggml_add(ctx, coarse, route_bias));  // [S, KV]
-                    chosen = ggml_top_k(ctx, route, (int) k);  // i32 [k, KV]
-                }
-                ggml_set_output(chosen);
-                *zoom_out = chosen;
-                // Zoomed rows: a factored span's rows are rebuilt (U W, then RoPE at their own positions);
-                // a raw span's rows are read where they lie (mul_mat_id picks each head's spans from the
-                // table). A span is in one table and reads the other's zero slot: the terms add up.
-                ggml_tensor * zscores = nullptr;  // [l*k, G, KV]
-                ggml_tensor * k_slots = t.n_raw[0] > 0 ? head_slots(t.k_rslot, chosen, k) : nullptr;
-                if (t.n_factored[0] > 0) {
-                    ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.k_fslot, chosen), k, KV);
-                    ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uk, f), R, l, k * KV);
-                    ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wk, f), R, D, k * KV);
-                    ggml_tensor * zpos = ggml_reshape_1d(ctx, ggml_get_rows(ctx, mem->row_pos, chosen), l * k * KV);
-                    ggml_tensor * zk = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w, u), D, 1, l * k * KV);
-                    zk = ggml_reshape_3d(ctx, rope(zk, zpos, m->model->layers[il].rope_freqs), D, l * k, KV);
-                    zscores = ggml_mul_mat(ctx, zk, q);
-                }
-                if (t.n_raw[0] > 0) {  // raw keys are stored rotated: [D, l, slots * KV] x q -> [l, k, H]
-                    ggml_tensor * table = ggml_reshape_3d(ctx, t.rk, D, l, t.rk->ne[1] * KV);
-                    ggml_tensor * s = ggml_mul_mat_id(ctx, table, ggml_reshape_3d(ctx, q, D, 1, G * KV), k_slots);
-                    s = ggml_reshape_3d(ctx, s, l * k, G, KV);
-                    zscores = zscores != nullptr ? ggml_add(ctx, zscores, s) : s;
-                }
-                if (t.n_factored[1] > 0) {
-                    ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.v_fslot, chosen), k, KV);
-                    ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uv, f), R, l, k * KV);
-                    ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wv, f), R, D, k * KV);
-                    zv_fact = ggml_mul_mat(ctx, u, w);  // [l, D, k*KV]
-                }
-                if (t.n_raw[1] > 0) {
-                    v_slots = t.same_raw_slots && k_slots != nullptr ? k_slots : head_slots(t.v_rslot, chosen, k);
-                }
-                ggml_tensor * zmask = ggml_reshape_3d(ctx, ggml_get_rows(ctx, mem->row_mask, chosen), l * k, 1, KV);
-                // a zoomed span is represented by its rows only: its summary row leaves the softmax
-                ggml_tensor * summary_out = ggml_view_3d(ctx, mem->neg_inf, 1, k, KV, mem->neg_inf->nb[1],
-                                                         mem->neg_inf->nb[2], 0);
-                if (ok != nullptr) {  // a slot whose span did not pass: its rows out, its summary row kept
-                    constexpr float OUT = -1e30f;  // finite: ok * OUT must not be inf * 0
-                    ggml_tensor * rows_out = ggml_repeat_4d(ctx, ggml_scale_bias(ctx, ok, -OUT, OUT), l, k, KV, 1);
-                    zmask = ggml_add(ctx, zmask, ggml_reshape_3d(ctx, rows_out, l * k, 1, KV));
-                    summary_out = ggml_add(ctx, ggml_get_rows(ctx, coarse_bias, chosen), ggml_scale(ctx, ok, OUT));
-                }
-                zscores = ggml_add(ctx, zscores, zmask);
-                coarse_bias = ggml_set_rows(ctx, coarse_bias, summary_out, chosen);
-                coarse = ggml_add(ctx, coarse, ggml_reshape_3d(ctx, coarse_bias, S, 1, KV));
-                scores = ggml_concat(ctx, ggml_concat(ctx, scores, coarse, 0), zscores, 0);
-            } else {
-                coarse = ggml_add(ctx, coarse, ggml_reshape_3d(ctx, ggml_cont(ctx, coarse_bias), S, 1, KV));
-                scores = ggml_concat(ctx, scores, coarse, 0);
-            }
+            scores = ggml_concat(ctx, scores, ggml_add(ctx, ggml_mul_mat(ctx, t.sk, q), z.coarse_bias), 0);
         }
-        ggml_tensor * probs = ggml_soft_max(ctx, scores);  // [N, G, KV]
-        ggml_tensor * out = ggml_mul_mat(ctx, evt, rows(probs, 0, n_rows));  // [D, G, KV]
+        if (k > 0) {
+            ggml_tensor * zscores = z.zk != nullptr ? ggml_mul_mat(ctx, z.zk, q) : nullptr;  // [l*k, g, KV]
+            if (z.k_slots != nullptr) {  // raw keys are stored rotated: [D, l, slots * KV] x q -> [l, k, g * KV]
+                ggml_tensor * table = ggml_reshape_3d(ctx, t.rk, D, l, t.rk->ne[1] * KV);
+                ggml_tensor * s = ggml_mul_mat_id(ctx, table, ggml_reshape_3d(ctx, ggml_cont(ctx, q), D, 1, g * KV),
+                                                  row_slots(z.k_slots, k, g));
+                s = ggml_reshape_3d(ctx, s, l * k, g, KV);
+                zscores = zscores != nullptr ? ggml_add(ctx, zscores, s) : s;
+            }
+            scores = ggml_concat(ctx, scores, ggml_add(ctx, zscores, z.zmask), 0);
+        }
+        ggml_tensor * probs = ggml_soft_max(ctx, scores);  // [N, g, KV]
+        ggml_tensor * out = ggml_mul_mat(ctx, evt, rows(probs, 0, n_rows));  // [D, g, KV]
         if (P > 0) {
             ggml_tensor * pvt = ggml_view_3d(ctx, t.pvt, P, D, KV, t.pvt->nb[1], t.pvt->nb[2], 0);
             out = ggml_add(ctx, out, ggml_mul_mat(ctx, pvt, rows(probs, n_rows, P)));
@@ -179,25 +198,57 @@ struct step_builder {
         if (S > 0) {
             out = ggml_add(ctx, out, ggml_mul_mat(ctx, t.svt, rows(probs, n_direct, S)));
         }
-        if (zv_fact != nullptr || v_slots != nullptr) {
-            // the zoomed rows' probabilities per (span, head): [l, k, G * KV]
-            ggml_tensor * pz = ggml_view_3d(ctx, probs, l, k, G * KV, l * probs->nb[0], probs->nb[1],
+        if (z.zv_fact != nullptr || z.v_slots != nullptr) {
+            // the zoomed rows' probabilities per (span, query row): [l, k, g * KV]
+            ggml_tensor * pz = ggml_view_3d(ctx, probs, l, k, g * KV, l * probs->nb[0], probs->nb[1],
                                             (n_direct + S) * probs->nb[0]);
-            ggml_tensor * per_span = nullptr;  // [D, k, G * KV]: each span's share of each head's output
-            if (zv_fact != nullptr) {  // [l, D] x [l, G] per (span, KV head)
-                ggml_tensor * pf = ggml_view_4d(ctx, pz, l, G, k, KV, pz->nb[2], pz->nb[1], G * pz->nb[2], 0);  // [l, G, k, KV]
+            ggml_tensor * per_span = nullptr;  // [D, k, g * KV]: each span's share of each query row's output
+            if (z.zv_fact != nullptr) {  // [l, D] x [l, g] per (span, KV head)
+                ggml_tensor * pf = ggml_view_4d(ctx, pz, l, g, k, KV, pz->nb[2], pz->nb[1], g * pz->nb[2], 0);  // [l, g, k, KV]
                 pf = ggml_cont(ctx, pf);
-                ggml_tensor * o = ggml_mul_mat(ctx, zv_fact, ggml_reshape_3d(ctx, pf, l, G, k * KV));  // [D, G, k*KV]
-                per_span = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, o, D, G, k, KV), 0, 2, 1, 3));
-                per_span = ggml_reshape_3d(ctx, per_span, D, k, G * KV);
+                ggml_tensor * o = ggml_mul_mat(ctx, z.zv_fact, ggml_reshape_3d(ctx, pf, l, g, k * KV));  // [D, g, k*KV]
+                per_span = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, o, D, g, k, KV), 0, 2, 1, 3));
+                per_span = ggml_reshape_3d(ctx, per_span, D, k, g * KV);
             }
-            if (v_slots != nullptr) {  // values stored transposed: [l, D, slots * KV]
+            if (z.v_slots != nullptr) {  // values stored transposed: [l, D, slots * KV]
                 ggml_tensor * table = ggml_reshape_3d(ctx, t.rvt, l, D, t.rvt->ne[1] * KV);
-                ggml_tensor * o = ggml_mul_mat_id(ctx, table, pz, v_slots);  // [D, k, G * KV]
+                ggml_tensor * o = ggml_mul_mat_id(ctx, table, pz, row_slots(z.v_slots, k, g));  // [D, k, g * KV]
                 per_span = per_span != nullptr ? ggml_add(ctx, per_span, o) : o;
             }
-            per_span = ggml_cont(ctx, ggml_permute(ctx, per_span, 1, 0, 2, 3));  // [k, D, G * KV]
-            out = ggml_add(ctx, out, ggml_reshape_3d(ctx, ggml_sum_rows(ctx, per_span), D, G, KV));
+            per_span = ggml_cont(ctx, ggml_permute(ctx, per_span, 1, 0, 2, 3));  // [k, D, g * KV]
+            out = ggml_add(ctx, out, ggml_reshape_3d(ctx, ggml_sum_rows(ctx, per_span), D, g, KV));
+        }
+        return out;
+    }
+
+    // Query tokens per block of a chunk's attention: the block's scores, probabilities and per-span value terms
+    // stay near SEKV_BLOCK_BYTES.
+    int64_t block_tokens(int il) const {
+        const sekv_layer_tensors & t = mem->layers[il];
+        const int64_t S = mem->params.n_spans, l = mem->params.span_rows;
+        const int64_t k = std::min<int64_t>(mem->params.zoom_k, std::max<int64_t>(S - t.n_pinned_spans, 0));
+        const int64_t per_token = (2 * (n_rows + t.n_pin_rows + S + l * k) + 2 * D * k) * (G / T) * KV * 4;
+        return std::max<int64_t>(1, SEKV_BLOCK_BYTES / std::max<int64_t>(per_token, 1));
+    }
+
+    // attention of the query rows q [D, G, KV] (q_pre: the same before RoPE) over the layer's memory -> [D, G, KV];
+    // causal f32 [n_rows, 1, T, 1]: 0 or -inf per exact row and token (a chunk's own rows), nullptr for one token.
+    // One zoom choice for all rows; the attention itself runs in blocks of tokens.
+    ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor * q_pre, ggml_tensor * causal, ggml_tensor ** zoom_out,
+                         ggml_tensor ** passed_out) const {
+        q = ggml_scale(ctx, q, 1.0f / std::sqrt((float) D));  // every score below is a scaled logit
+        const zoom_set z = mem->params.n_spans > 0 ? zoom(il, q, q_pre, zoom_out, passed_out) : zoom_set{};
+        const int64_t Gh = G / T, block = std::min<int64_t>(block_tokens(il), T);
+        ggml_tensor * out = nullptr;
+        for (int64_t a = 0; a < T; a += block) {
+            const int64_t n = std::min(block, T - a);
+            ggml_tensor * qb = n == T ? q
+                : ggml_cont(ctx, ggml_view_3d(ctx, q, D, n * Gh, KV, q->nb[1], q->nb[2], a * Gh * q->nb[1]));
+            ggml_tensor * cb = causal == nullptr || n == T ? causal
+                : ggml_view_4d(ctx, causal, causal->ne[0], 1, n, 1, causal->nb[1], causal->nb[2], causal->nb[3],
+                               a * causal->nb[2]);
+            ggml_tensor * part = attend_rows(il, qb, n * Gh, cb, z);
+            out = out == nullptr ? part : ggml_concat(ctx, out, part, 1);
         }
         return out;
     }
@@ -233,13 +284,26 @@ static ggml_tensor * chunk_nll(ggml_context * ctx, ggml_tensor * output, ggml_te
     return nll;
 }
 
+size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T) {
+    const sekv_model_info & info = mem->model->info;
+    const int64_t H = info.n_head, KV = info.n_head_kv;
+    step_builder b{const_cast<sekv_memory *>(mem), nullptr, mem->model, info.head_dim, H, KV, T * (H / KV),
+                   mem->n_exact + T, T};
+    size_t nodes = 256 + 16 * (size_t) ((T + sekv_nll_block(info.n_vocab) - 1) / sekv_nll_block(info.n_vocab));
+    for (int il = 0; il < info.n_layer; ++il) {
+        const int64_t blocks = (T + b.block_tokens(il) - 1) / b.block_tokens(il);
+        nodes += 96 + 64 * (size_t) blocks;  // a layer's own ops, and each attention block's
+    }
+    return nodes;
+}
+
 ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T, bool with_nll, sekv_graph_inputs & in,
                                sekv_zoom_outputs & zoom) {
     const sekv_model * m = mem->model;
     const llama_model & lm = *m->model;
     const sekv_model_info & info = m->info;
     const int64_t D = info.head_dim, H = info.n_head, KV = info.n_head_kv, Gh = H / KV;
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, SEKV_GRAPH_SIZE, false);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, sekv_graph_nodes(mem, T), false);
 
     in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
     in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
@@ -248,15 +312,15 @@ ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T,
     const int64_t n_rows = mem->n_exact + T;
     in.causal = nullptr;
     if (T > 1) {
-        in.causal = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, n_rows, T, 1, 1);
+        in.causal = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, n_rows, 1, T, 1);
         ggml_set_input(in.causal);
     }
     step_builder b{mem, ctx, m, D, H, KV, T * Gh, n_rows, T};
 
-    // [D, H, T] (head h = kv * Gh + g) -> query rows [D, T * Gh, KV], token fastest
+    // [D, H, T] (head h = kv * Gh + g) -> query rows [D, Gh * T, KV], query head fastest
     auto query_rows = [&](ggml_tensor * x) {
-        ggml_tensor * r = ggml_permute(ctx, ggml_reshape_4d(ctx, x, D, Gh, KV, T), 0, 2, 3, 1);  // [D, T, Gh, KV]
-        return ggml_reshape_3d(ctx, ggml_cont(ctx, r), D, T * Gh, KV);
+        ggml_tensor * r = ggml_permute(ctx, ggml_reshape_4d(ctx, x, D, Gh, KV, T), 0, 1, 3, 2);  // [D, Gh, T, KV]
+        return ggml_reshape_3d(ctx, ggml_cont(ctx, r), D, Gh * T, KV);
     };
 
     ggml_tensor * x = ggml_get_rows(ctx, lm.tok_embd, in.tokens);  // [n_embd, T]
@@ -290,8 +354,8 @@ ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T,
                                                v_dst));  // [T, D, KV]
 
         ggml_tensor * attn = b.attend(il, query_rows(q), q_pre, in.causal, &zoom.chosen[il], &zoom.passed[il]);
-        // [D, T * Gh, KV] -> [D * H, T]
-        attn = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, attn, D, T, Gh, KV), 0, 3, 1, 2));
+        // [D, Gh * T, KV] -> [D, Gh, KV, T] = [D * H, T]
+        attn = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, attn, D, Gh, T, KV), 0, 1, 3, 2));
         x = ggml_add(ctx, x, matmul_bias(ctx, w.wo, w.wo_b, ggml_reshape_2d(ctx, attn, D * H, T)));
 
         cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), w.ffn_norm);

@@ -93,8 +93,12 @@ struct sekv_memory {
     std::vector<int32_t> last_zoom_k;             // [layer]: k of that layer's last step
 };
 
-// Most nodes a decode graph holds (every layer's ops for the largest models we take).
-constexpr size_t SEKV_GRAPH_SIZE = 16384;
+// About what one block of a chunk's attention may allocate (scores, probabilities, per-span value terms).
+constexpr int64_t SEKV_BLOCK_BYTES = 2 << 20;
+// Nodes the graph of T tokens may hold (every layer's ops, a chunk's attention and surprisal in blocks).
+size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T);
+// Most nodes a graph may hold on the multi-backend scheduler (it sizes its tables once).
+constexpr size_t SEKV_SCHED_GRAPH_SIZE = 65536;
 
 // Per layer, what the decode graph zoomed into: the top-k span indices i32 [k, KV] and, with the learned
 // router, whether each passed its threshold f32 [1, k, KV] (1 / 0); nullptr where there is none.
@@ -103,11 +107,11 @@ struct sekv_zoom_outputs {
     std::vector<ggml_tensor *> passed;
 };
 
-// Tokens per block of a chunk's vocabulary logits (about 16 MiB of them) when its surprisal is computed.
-inline int64_t sekv_nll_block(int64_t n_vocab) { return n_vocab >= (4 << 20) ? 1 : (4 << 20) / n_vocab; }
+// Tokens per block of a chunk's vocabulary logits (about 2 MiB of them) when its surprisal is computed.
+inline int64_t sekv_nll_block(int64_t n_vocab) { return n_vocab >= (512 << 10) ? 1 : (512 << 10) / n_vocab; }
 
 // A graph's inputs: token ids i32 [T], positions i32 [T], the causal mask of a chunk's own rows f32
-// [n_rows, T, 1, 1] (nullptr for one token), the surprisal targets i32 [T - 1] ((i - b) * n_vocab + token[i + 1], b the first token of i's block;
+// [n_rows, 1, T, 1] (nullptr for one token), the surprisal targets i32 [T - 1] ((i - b) * n_vocab + token[i + 1], b the first token of i's block;
 // nullptr when not asked for).
 struct sekv_graph_inputs {
     ggml_tensor * tokens = nullptr, * pos = nullptr, * causal = nullptr, * nll_index = nullptr;

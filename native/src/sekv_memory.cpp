@@ -131,7 +131,7 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
         int n = 0;
         if (model->gpu != nullptr) backends[n++] = model->gpu;
         backends[n++] = model->cpu;  // the scheduler wants the CPU last
-        mem->sched = ggml_backend_sched_new(backends, nullptr, n, SEKV_GRAPH_SIZE, false, false);
+        mem->sched = ggml_backend_sched_new(backends, nullptr, n, SEKV_SCHED_GRAPH_SIZE, false, false);
     } else {
         mem->allocr = ggml_gallocr_new(ggml_backend_get_default_buffer_type(model->cpu));
     }
