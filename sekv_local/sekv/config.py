@@ -62,7 +62,9 @@ class SekvConfig:
         any question token ("max"), from the question's last token ("last"), or averaged over its tokens ("mean").
     pin_spread: with select=question, each span's neighbours in the document get this fraction of its score
         before the pins are picked (0 = off), so a fact that a span boundary cut in two (a needle's key in one
-        span, its value's digits in the next) is pinned whole; 0.5 keeps a neighbour below the span it came from.
+        span, its value's digits in the next) is pinned whole. Off by default: on development seeds it rescued
+        such a needle at 7K but, where the pin room holds only a few spans (2K), the neighbours it pins can
+        push out the needle's own span (RESULTS "Selective zoom").
     read_budget: host bytes a decode step may gather (routed spans' stored rows or factors): a fraction of the
         full-KV bytes (float <= 1) or bytes (int); "auto": 0.05 with select=question, unbounded with
         select=step. Caps the routed pool of a decode step; prefill chunks keep the device-sized pool.
@@ -107,7 +109,7 @@ class SekvConfig:
     rank_rule: str = "auto"
     select: str = "question"
     pin_score: str = "max"
-    pin_spread: float = 0.5
+    pin_spread: float = 0.0
     read_budget: float | int | str = "auto"
     answer_room: int | str = "auto"
     routing_dim: int = 32
