@@ -135,8 +135,6 @@ class LlamaCppSekvEngine(Engine):
         logits = self.native.decode(tokens[0], self.n_tokens)
         self._record_zoom()
         self.pending.append(tokens[0])
-        used = self.native.bytes()
-        self._native_peak = max(self._native_peak, used.device + used.compute)
         return logits
 
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
@@ -160,21 +158,17 @@ class LlamaCppSekvEngine(Engine):
                 layer.pend_k.append(torch.from_numpy(k).to(ref.device))
                 layer.pend_v.append(torch.from_numpy(v).to(ref.device))
             self._record_zoom(memory, decode_step=False)
-            used = memory.bytes()
-            self._native_peak = max(self._native_peak, used.device + used.compute)
         finally:
             memory.close()
         scores = ChunkScores(torch.from_numpy(logits)[None], torch.from_numpy(nll))
-        if ref._last_logits is not None:  # the row before the chunk predicted its first token
-            previous = torch.from_numpy(ref._last_logits)
-            scores.first_nll = float(torch.logsumexp(previous, dim=-1) - previous[int(tokens[0])])
-        cache.end_chunk(scores, torch.tensor(tokens, dtype=torch.long))
+        cache.end_chunk(scores.predicted_by(ref._last_logits, tokens[0]), torch.tensor(tokens, dtype=torch.long))
         ref._last_logits = logits
         return logits
 
     def _record_zoom(self, memory: Any = None, decode_step: bool = True) -> None:
-        """The step's zoom choices into the torch memory's observations (the document map), and the host
-        bytes they read into its host-read count."""
+        """After a native graph ran (a decode step of the native memory, or a prefill chunk's `memory`): its zoom
+        choices into the torch memory's observations (the document map), the host bytes they read into its
+        host-read count, and its device tier plus compute buffer into the native peak."""
         memory = self.native if memory is None else memory
         cache = self.reference.cache
         reads = 0
@@ -186,6 +180,8 @@ class LlamaCppSekvEngine(Engine):
         if decode_step:
             cache.host_reads.steps += 1
         cache.host_reads.count(reads, decode_step=decode_step)
+        used = memory.bytes()
+        self._native_peak = max(self._native_peak, used.device + used.compute)
 
     def finish_prefill(self) -> None:
         self._fold_back()

@@ -134,10 +134,7 @@ class TorchEngine(Engine):
         positions = torch.arange(self.n_tokens, self.n_tokens + len(tokens), device=self.device)
         self.cache.begin_chunk(positions, is_prefill=prefill)
         if self.cache.needs_token_scores:
-            scores = self.model(ids, self.cache, logits="scores")
-            if self._last_logits is not None:  # the row before the chunk predicted its first token
-                previous = torch.from_numpy(self._last_logits)
-                scores.first_nll = float(torch.logsumexp(previous, dim=-1) - previous[int(tokens[0])])
+            scores = self.model(ids, self.cache, logits="scores").predicted_by(self._last_logits, tokens[0])
             self.cache.end_chunk(scores, ids)
             last = scores.last
         else:

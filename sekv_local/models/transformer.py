@@ -20,6 +20,8 @@ from .config import ModelConfig
 from .gguf_file import GGUFModelFile
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..cache.base import CachePolicy
 
 
@@ -47,6 +49,13 @@ class ChunkScores:
     last: torch.Tensor
     nll: torch.Tensor
     first_nll: float | None = None
+
+    def predicted_by(self, previous: np.ndarray | None, first_token: int) -> ChunkScores:
+        """Fill first_nll from the logits [vocab] of the row before the chunk (None: nothing predicted it)."""
+        if previous is not None:
+            row = torch.from_numpy(previous)
+            self.first_nll = float(torch.logsumexp(row, dim=-1) - row[int(first_token)])
+        return self
 
     @classmethod
     def from_logits(cls, logits: torch.Tensor, tokens: torch.Tensor) -> "ChunkScores":
