@@ -56,4 +56,11 @@ fi
 
 echo "[install] sekv-local $extras"
 (cd "$here" && pip install -e "$extras")
+# The llama.cpp engine (the default for `ask` and `chat`): built now, not on a user's first question. It is
+# llama.cpp from the same pinned source and CPU flags as the wheel above, compiled with our sources against
+# its internal headers (cached by a hash of its inputs). Without it sekv-local runs the torch engine and says so.
+echo "[install] the llama.cpp engine's native library (a few minutes the first time; cached)"
+if ! "$venv/bin/sekv-local" native build >/dev/null; then
+  echo "[install] the native library did not build (above); sekv-local will run the torch engine" >&2
+fi
 echo "[install] done: $venv/bin/sekv-local"

@@ -41,6 +41,11 @@ def router_file_choices(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+#: `ask` and `chat`'s KV cache until the selective setting (`sekv`, select=question) is measured on fresh seeds:
+#: SeKV zooming its whole pool at every step, the setting that answered as full KV on the 5-task grid
+DEFAULT_METHOD = "sekv@select=step"
+
+
 def _parse_budget(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | int | None:
     """'0.25' or '25%' = fraction of full-KV bytes; '64MiB' / '500KB' / '123456' (bytes) = absolute."""
     if value is None:
@@ -56,8 +61,10 @@ def session_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--model", "-m", default=registry.DEFAULT_MODEL, show_default=True,
                      help="Registry name or path to a .gguf file."),
-        click.option("--engine", type=click.Choice(ENGINES), default="torch", show_default=True),
-        click.option("--method", default="full", show_default=True,
+        click.option("--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
+                     help="auto: the llama.cpp engine where it runs the method and model (sekv on llama-architecture "
+                          "models), the torch engine otherwise (it says why)."),
+        click.option("--method", default=DEFAULT_METHOD, show_default=True,
                      help="KV cache method (see `sekv-local methods`); settings as METHOD@KEY=VALUE, e.g. "
                           "sekv@positions=bounded for documents longer than the model's trained context."),
         click.option("--budget", callback=_parse_budget, help="Device-tier budget: fraction (0.25, 25%) or bytes (64MiB)."),
@@ -196,8 +203,10 @@ def ask(file: Path, question: str, as_json: bool, **kw: Any) -> None:
     if as_json:
         answer = session.answer(question)
         out = {"document": str(file), "document_tokens": session.document_tokens, "model": session.settings.model,
-               "engine": session.settings.engine, "method": session.settings.method,
-               "budget": session.settings.budget, "ingest_s": round(session.ingest_s, 3), **answer.as_dict()}
+               "engine": session.engine.name, "method": session.settings.method,
+               "method_options": dict(session.settings.method_options),
+               "budget": session.settings.budget, "notices": list(session.engine.notices),
+               "ingest_s": round(session.ingest_s, 3), **answer.as_dict()}
         click.echo(json.dumps(out, indent=2))
         return
     for piece in session.ask(question):

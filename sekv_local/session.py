@@ -114,7 +114,7 @@ class Session:
         if needed > limit:
             raise DocumentError(
                 f"{self.document.name} is {len(doc_ids)} tokens; with the prompt and room for an answer that is "
-                f"{needed} tokens, but engine '{self.settings.engine}' with method '{self.settings.method}' holds at "
+                f"{needed} tokens, but engine '{self.engine.name}' with method '{self.settings.method}' holds at "
                 f"most {limit} (model trained context {self.engine.config.context_length}). "
                 f"{_fitting_advice(needed, limit, self.engine.config.context_length)}")
         self.engine.reset()

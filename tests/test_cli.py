@@ -28,14 +28,34 @@ def short_doc(tmp_path: Path) -> Path:
 
 
 def test_ask_json_answers_from_the_document(short_doc: Path, model_path) -> None:
+    """The default path: SeKV in the llama.cpp engine (the install builds its native library)."""
     proc = run_cli("ask", str(short_doc), "Who is the lighthouse keeper of Port Alder?", "--json", "--threads", "2",
                    "--max-new-tokens", "24")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert "Maren" in out["answer"]
     assert out["document_tokens"] > 30 and out["answer_tokens"] >= 2
-    assert out["memory"]["device_bytes"] >= out["memory"]["full_kv_bytes"] > 0
-    assert out["engine"] == "torch" and out["method"] == "full"
+    assert out["engine"] == "llama.cpp" and out["method"] == "sekv" and out["method_options"] == {"select": "step"}
+    assert out["memory"]["full_kv_bytes"] > 0 and out["memory"]["host_reads_steps"] >= 1
+    assert not any(n.startswith("engine torch") for n in out["notices"])
+
+
+def test_auto_engine_says_why_it_runs_the_torch_engine(short_doc: Path, tmp_path: Path, model_path) -> None:
+    """A method the llama.cpp engine does not run, and a missing native library, fall back to the torch engine
+    with one line that says why."""
+    proc = run_cli("ask", str(short_doc), "Who is the lighthouse keeper of Port Alder?", "--method", "full",
+                   "--threads", "2", "--max-new-tokens", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert "Maren" in proc.stdout
+    assert "engine torch: method 'full' runs in the torch engine" in proc.stderr
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "SEKV_NATIVE_LIBRARY": str(tmp_path / "missing.so")}
+    proc = subprocess.run([sys.executable, "-m", "sekv_local", "ask", str(short_doc), "Who is the lighthouse keeper?",
+                           "--json", "--threads", "2", "--max-new-tokens", "24"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["engine"] == "torch" and out["method"] == "sekv" and "Maren" in out["answer"]
+    assert any(n.startswith("engine torch: the llama.cpp engine's native library is not built") for n in out["notices"])
 
 
 def test_ask_streams_plain_text_for_the_bundled_sample(model_path) -> None:

@@ -173,6 +173,20 @@ def test_impossible_budget_is_refused_with_numbers() -> None:
         create_policy("sekv", CFG, Rope(CFG), budget=0.01).reserve(4000)
 
 
+def test_no_budget_given_takes_the_least_that_holds_a_short_document() -> None:
+    """The default (25%) grows to the minimum plan for a short document instead of refusing it; a budget the
+    user gives is refused as before."""
+    with pytest.raises(BudgetError):
+        create_policy("sekv", CFG, Rope(CFG), budget=0.25).reserve(60)
+    sekv = create_policy("sekv", CFG, Rope(CFG), budget=None)
+    sekv.reserve(60)
+    full = CFG.full_kv_bytes(60)
+    assert sekv.budget_bytes > 0.25 * full and not sekv.budget_given
+    roomy = create_policy("sekv", CFG, Rope(CFG), budget=None)
+    roomy.reserve(8000)  # long enough for 25%: the default is 25%
+    assert roomy.budget_bytes == int(0.25 * CFG.full_kv_bytes(8000))
+
+
 def test_tight_budget_shrinks_the_zoom_pool_and_still_holds_the_budget() -> None:
     rope = Rope(CFG)
     n = 2000

@@ -508,7 +508,7 @@ class ChatApp(App[None]):
     def _command_method(self, arg: str) -> None:
         methods = self._methods()
         if not arg:
-            self._note(f"method: {self.settings.method} (engine {self.settings.engine}); "
+            self._note(f"method: {self.settings.method} (engine {self._engine_name()}); "
                        f"available: {', '.join(methods)}. Switch with /method NAME.")
             return
         if methods and arg not in methods:
@@ -516,15 +516,19 @@ class ChatApp(App[None]):
                        f"available: {', '.join(methods)}")
             return
         budget = self.settings.budget
-        if arg != "full" and budget is None and self.settings.engine == "torch":
+        if arg != "full" and budget is None and self.settings.engine in ("torch", "auto"):
             budget = 0.25
             self._note("using budget 25% (change it with /budget)")
         options = self.settings.method_options if arg == self.settings.method else ()  # settings are per method
         self._reopen(replace(self.settings, method=arg, budget=budget if arg != "full" else None,
                              method_options=options))
 
+    def _engine_name(self) -> str:
+        """The engine running now (`auto` resolved), or the one asked for before a session exists."""
+        return self.session.engine.name if self.session is not None else self.settings.engine
+
     def _methods(self) -> list[str]:
-        if self.settings.engine == "torch":
+        if self.settings.engine in ("torch", "auto"):  # auto runs every method (the torch engine where it must)
             from sekv_local.cache import available_policies
 
             return list(available_policies())
@@ -555,7 +559,8 @@ class ChatApp(App[None]):
         text.append(f"tokens  {tokens}\n")
         text.append(f"model   {memories.model_slug(s.model)}\n")
         budget = f" · budget {format_budget(s.budget)}" if s.budget is not None else ""
-        text.append(f"engine  {s.engine} · {s.method}{budget}")
+        engine = session.engine.name if session is not None else s.engine
+        text.append(f"engine  {engine} · {s.method}{budget}")
         info.update(text)
         if session is None:
             bars.show(None)
@@ -624,7 +629,7 @@ class ChatApp(App[None]):
         s, session = self.settings, self.session
         lines = [f"document {self.document.name}: {session.document_tokens:,} tokens, read in "
                  f"{format_duration(session.ingest_s)} ({session.ingest_s:.1f} s)",
-                 f"model {memories.model_slug(s.model)} · engine {s.engine} · method {s.method}"
+                 f"model {memories.model_slug(s.model)} · engine {session.engine.name} · method {s.method}"
                  + (f" · budget {format_budget(s.budget)}" if s.budget is not None else "")]
         answer = session.answers[-1] if session.answers else None
         memory = (answer.memory if answer is not None else self._initial["memory"]) or {}

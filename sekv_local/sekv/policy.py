@@ -40,6 +40,8 @@ _ROW_STEP = 16  # growth step of the device row buffers: their slack counts agai
 _POSITION_MARGIN = 64  # "bounded": far memory sits this far inside the trained window
 #: read_budget "auto" with select=question: host bytes a decode step may gather, as a share of full KV
 AUTO_READ_BUDGET = 0.05
+#: device tier when none is given (a fraction of full KV)
+DEFAULT_BUDGET = 0.25
 #: answer tokens whose new span summaries and anchors the question-time pins leave room for
 _ANSWER_ROOM = 256
 #: how far below every relevance logit the zoom thresholds go when the learned router fills the pool
@@ -71,8 +73,11 @@ class SekvCache(CachePolicy):
                  **options: Any) -> None:
         super().__init__(config, rope, device)
         self.cfg = SekvConfig.from_options(options)
+        # no budget given: DEFAULT_BUDGET, or the least that holds the minimum plan where a short document
+        # needs more (a budget the user gives is refused instead)
+        self.budget_given = budget is not None
         if budget is None:
-            budget = 0.25
+            budget = DEFAULT_BUDGET
         if isinstance(budget, float) and not 0 < budget <= 1:
             raise SekvError(f"sekv: a fractional budget must be in (0, 1], got {budget}")
         self.budget_spec = budget
@@ -198,9 +203,20 @@ class SekvCache(CachePolicy):
         return int(min(self.zoom_k, read // per_slot))
 
     def _plan_pool(self) -> None:
+        full = self.config.full_kv_bytes(self.planned_tokens)
+        self.budget_bytes = int(self.budget_spec * full) if isinstance(self.budget_spec, float) else int(self.budget_spec)
+        while True:
+            try:
+                return self._plan_pool_within()
+            except BudgetError:
+                if self.budget_given:
+                    raise
+                self.budget_bytes = int(1.25 * self.budget_bytes) + 1
+
+    def _plan_pool_within(self) -> None:
+        """The plan for budget_bytes (BudgetError when even the cheapest does not fit)."""
         cfg, c = self.cfg, self.config
         full = c.full_kv_bytes(self.planned_tokens)
-        self.budget_bytes = int(self.budget_spec * full) if isinstance(self.budget_spec, float) else int(self.budget_spec)
         budget_tokens = self.budget_bytes // self.token_bytes
         self.recent = max(min(cfg.recent, int(0.15 * budget_tokens)), 8)
         self.chunk_tokens = int(min(1024, max(16, 0.25 * budget_tokens)))
