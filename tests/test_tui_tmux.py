@@ -84,7 +84,8 @@ def test_chat_app_in_a_real_terminal(tmp_path, model_path):
         term.send("Enter")
         screen = term.wait_for("Maren", timeout=180)
         assert "Who is the lighthouse keeper of Port Alder?" in screen
-        assert "Model" in screen and "full KV" in screen  # the answer and the side panel
+        # the answer, and the side panel with the default engine and memory tiers
+        assert "Model" in screen and "engine  llama.cpp · sekv" in screen and "device" in screen
         term.send("F1")
         term.wait_for("/budget", timeout=30)
         term.send("Escape")
@@ -92,7 +93,7 @@ def test_chat_app_in_a_real_terminal(tmp_path, model_path):
         screen = term.wait_for("EXIT STATUS", timeout=60)
         assert "EXIT STATUS 0" in screen, screen
         # the app left the alternate screen: its panels are gone from the terminal
-        assert "full KV" not in screen and "Document map" not in screen, screen
+        assert "engine  llama.cpp" not in screen and "Document map" not in screen, screen
         print(f"ready after {ready_s:.1f} s")
     finally:
         term.close()
