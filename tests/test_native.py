@@ -637,3 +637,18 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(library, tmp_path) -> None:
     filled = 2 * 3 * 16 * gpu_check.PARITY_STEPS  # layers x KV heads x zoom slots x steps
     assert 0 < sum(s["empty_slots"] for s in learned) < filled  # the thresholds leave some slots empty, not all
     assert report["speed"][0]["context_tokens"] == 2048 and report["speed"][0]["sekv_decode_tok_s"][0] > 0
+
+
+def test_a_memory_without_spans_exports_as_rows(model_path, tokenizer) -> None:
+    """A document short enough to stay whole in the exact rows (no span yet) imports with the default host
+    form: the chat's first answer used to fail reshaping zero spans."""
+    from sekv_local.native.memory_export import export_memory
+
+    engine = TorchEngine(model_path, tokenizer, EngineOptions(method="sekv", threads=2))
+    ids = tokenizer.encode("The keeper of the lighthouse at Port Alder is Maren Holt.")
+    engine.reserve(len(ids))
+    engine.feed(ids)
+    assert engine.cache.span_len.length == 0
+    exported = export_memory(engine.cache, decompress=True)
+    assert exported.n_exact == len(ids) and len(exported.span_len) == 0
+    assert exported.layers[0].keys.raw.shape[0] == 0

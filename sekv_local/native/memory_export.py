@@ -83,7 +83,7 @@ def decompressed_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.T
     S, KV = store.n_spans, store.n_kv
     heads = torch.arange(KV).repeat(S)
     spans = torch.arange(S).repeat_interleave(KV)
-    x = store.rebuild(heads, spans, lengths, rows).view(S, KV, rows, -1)
+    x = store.rebuild(heads, spans, lengths, rows).view(S, KV, rows, store.head_dim)  # S may be 0
     if rotate is not None:
         x = rotate(x, starts[:S, None] + torch.arange(rows)[None, :])
     if values:
