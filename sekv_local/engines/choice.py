@@ -32,13 +32,13 @@ class EngineChoice:
 
 
 def _wants_cuda(device: str) -> bool:
-    if device == "cuda":
-        return True
-    if device != "auto":
-        return False
-    import torch
+    """Whether the engine will run on CUDA (a device torch cannot see counts: the engine's start says so)."""
+    from .torch_engine import resolve_device
 
-    return torch.cuda.is_available()
+    try:
+        return resolve_device(device).startswith("cuda")
+    except SekvError:
+        return True
 
 
 def native_library_missing(cuda: bool) -> str | None:
