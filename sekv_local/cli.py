@@ -41,9 +41,9 @@ def router_file_choices(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-#: `ask` and `chat`'s KV cache until the selective setting (`sekv`, select=question) is measured on fresh seeds:
-#: SeKV zooming its whole pool at every step, the setting that answered as full KV on the 5-task grid
-DEFAULT_METHOD = "sekv@select=step"
+#: `ask` and `chat`'s KV cache: SeKV's own defaults, the selective setting (select=question, pins by lift and a
+#: cross-layer vote, a 5% read budget per step); chosen on development seeds, measured in RESULTS "Selective zoom"
+DEFAULT_METHOD = "sekv"
 
 
 def _parse_budget(_ctx: click.Context, _param: click.Parameter, value: str | None) -> float | int | None:

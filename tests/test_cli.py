@@ -35,7 +35,7 @@ def test_ask_json_answers_from_the_document(short_doc: Path, model_path) -> None
     out = json.loads(proc.stdout)
     assert "Maren" in out["answer"]
     assert out["document_tokens"] > 30 and out["answer_tokens"] >= 2
-    assert out["engine"] == "llama.cpp" and out["method"] == "sekv" and out["method_options"] == {"select": "step"}
+    assert out["engine"] == "llama.cpp" and out["method"] == "sekv" and out["method_options"] == {}
     assert out["memory"]["full_kv_bytes"] > 0 and out["memory"]["host_reads_steps"] >= 1
     assert not any(n.startswith("engine torch") for n in out["notices"])
 

@@ -12,7 +12,7 @@ from sekv_local.cache.attention import attention_with_lse, merge_attention
 from sekv_local.models.rope import Rope
 from sekv_local.sekv.config import SekvConfig
 from sekv_local.sekv.question import (block_attention_with_span_lse, pick_spans, question_span_score,
-                                     spread_to_neighbours)
+                                     spread_to_neighbours, voted_spans)
 
 from test_sekv import CFG
 
@@ -228,6 +228,49 @@ def test_a_pinned_spans_neighbours_rank_right_after_it() -> None:
     for bad in (-0.1, 1.5, True):
         with pytest.raises(Exception, match="pin_spread must be a number in"):
             SekvConfig(pin_spread=bad)
+
+
+def test_lift_discounts_the_mass_every_question_token_gives() -> None:
+    """Span 0 draws a third of every token's attention (position), span 2 a tenth from one token (a match): "max"
+    ranks span 0 first, "lift" span 2."""
+    mass = torch.full((2, 5, 4), 0.05)
+    mass[:, :, 0] = 0.33
+    mass[1, 3, 2] = 0.10
+    assert int(question_span_score(mass, "max").argmax()) == 0
+    lift = question_span_score(mass, "lift")
+    assert int(lift.argmax()) == 2
+    assert lift[0] == pytest.approx(1.0, rel=0.01) and lift[2] == pytest.approx(0.10 / 0.0525, rel=0.01)
+
+
+def test_the_vote_pins_what_most_layers_rank_high() -> None:
+    """Each layer's favourite differs (position), span 3 is in every layer's top two: the vote ranks it first;
+    ties between spans with equal votes go to the better summed rank."""
+    scores = torch.tensor([[9.0, 1.0, 2.0, 8.0, 0.0],
+                           [1.0, 9.0, 2.0, 8.0, 0.0],
+                           [1.0, 2.0, 9.0, 8.0, 0.0]])
+    lengths = torch.full((5,), 10)
+    votes = voted_spans(scores, lengths, 20)
+    assert votes.floor().tolist() == [1.0, 1.0, 1.0, 3.0, 0.0]
+    assert pick_spans(votes, lengths, 10).tolist() == [3]
+    assert votes[2] > votes[1] > votes[0]  # span 2 is second in two layers, span 1 in one
+    assert voted_spans(scores, lengths, 5).floor().tolist() == [0.0] * 5  # no span fits: ranks alone order them
+    for bad in (-0.5, 2.0, False):
+        with pytest.raises(Exception, match="pin_vote must be a number in"):
+            SekvConfig(pin_vote=bad)
+
+
+def test_voted_pins_are_shared_and_the_rest_of_each_layers_room_is_its_own() -> None:
+    sekv = create_policy("sekv", CFG, Rope(CFG), budget=0.9, l_min=4, l_max=16, recent=16, select="question",
+                         pin_vote=0.5, pin_score="lift")
+    sekv.reserve(800)
+    gen, _ = document_then_question([sekv], n_doc=800, chunk=sekv.max_chunk_tokens(), seed=3)
+    masks = [p.mask for p in sekv._pins]
+    shared = torch.stack(masks).all(dim=0)
+    assert 0 < int(shared.sum()) < int(masks[0].sum())
+    assert any(not torch.equal(m, masks[0]) for m in masks[1:])  # beside the shared spans, each layer's own
+    rows = [int(p.pos.shape[0]) for p in sekv._pins]
+    shared_rows = int(sekv.span_len.view()[: shared.shape[0]][shared].sum())
+    assert all(shared_rows < n for n in rows)
 
 
 @pytest.mark.parametrize("method,options", [("sentencekv", {"sentence_end_ids": (3, 7)}), ("xkv", {"budget": 0.9})])

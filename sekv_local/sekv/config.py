@@ -16,7 +16,7 @@ ROUTERS = ("auto", "projection", "attention", "bounds", "union")
 AUTO_ROUTERS = ("projection", "union")
 POOLS = ("auto", "fixed", "free")
 SELECTIONS = ("question", "step")
-PIN_SCORES = ("max", "last", "mean")  # sekv/question.py: question_span_score
+PIN_SCORES = ("max", "last", "mean", "lift")  # sekv/question.py: question_span_score
 #: what `pool=auto` runs once a trained router is loaded: its file names one ("fixed" when it does not)
 AUTO_POOLS = ("fixed", "free")
 #: the options whose "auto" a trained router's file settles: option -> (the file's info key, choices; the
@@ -59,7 +59,12 @@ class SekvConfig:
         decode step routes and rebuilds its whole zoom pool (the earlier default: accurate, but each step reads
         most of the document back).
     pin_score: how select=question ranks spans by the question's attention: the most any head gives a span from
-        any question token ("max"), from the question's last token ("last"), or averaged over its tokens ("mean").
+        any question token ("max"), from the question's last token ("last"), averaged over its tokens ("mean"), or
+        the most any head gives it from any token over what that head gives it from the question's median token
+        ("lift", the default: discounts the mass position alone draws, next to the sinks and the recent window).
+    pin_vote: with select=question, the share of each layer's pin room that holds the spans most layers would pin
+        on their own (the same spans in every layer); the rest of the room each layer fills by its own score.
+        1.0 by default: a needle's span tops only the layers whose heads match the question's words.
     pin_spread: with select=question, each span's neighbours in the document get this fraction of its score
         before the pins are picked (0 = off), so a fact that a span boundary cut in two (a needle's key in one
         span, its value's digits in the next) is pinned whole. Off by default: on development seeds it rescued
@@ -108,8 +113,9 @@ class SekvConfig:
     max_rank: int = 32
     rank_rule: str = "auto"
     select: str = "question"
-    pin_score: str = "max"
+    pin_score: str = "lift"
     pin_spread: float = 0.0
+    pin_vote: float = 1.0
     read_budget: float | int | str = "auto"
     answer_room: int | str = "auto"
     routing_dim: int = 32
@@ -141,6 +147,8 @@ class SekvConfig:
         need(self.pin_score in PIN_SCORES, f"pin_score must be one of {PIN_SCORES}")
         need(isinstance(self.pin_spread, (int, float)) and not isinstance(self.pin_spread, bool)
              and 0 <= self.pin_spread <= 1, "pin_spread must be a number in [0, 1]")
+        need(isinstance(self.pin_vote, (int, float)) and not isinstance(self.pin_vote, bool)
+             and 0 <= self.pin_vote <= 1, "pin_vote must be a number in [0, 1]")
         need(self.read_budget == "auto" or (isinstance(self.read_budget, float) and 0 < self.read_budget <= 1)
              or (isinstance(self.read_budget, int) and not isinstance(self.read_budget, bool) and self.read_budget > 0),
              "read_budget must be 'auto', a fraction in (0, 1] or a positive number of bytes")

@@ -26,7 +26,7 @@ from ..models.rope import Rope
 from .buffers import RowBuffer, VecBuffer
 from .config import FILE_CHOICES, SekvConfig
 from .factors import FactorStore
-from .question import (PinnedRows, block_attention_with_span_lse, pick_spans, question_span_score,
+from .question import (PinnedRows, block_attention_with_span_lse, pick_spans, question_span_score, voted_spans,
                        spread_to_neighbours)
 from .router import Router, bound_scores, key_bounds
 from .segmentation import RunningStats, segment, token_surprisal
@@ -534,11 +534,19 @@ class SekvCache(CachePolicy):
         for buf in (self.pend_pos, self.pend_surprisal, *(b for L in self.layers for b in (L.pend_k, L.pend_v))):
             buf.shrink()
         rows = self._pin_room()
-        for layer, L in enumerate(self.layers):
-            mass = self._question_mass[layer]
-            if mass is not None:
-                score = spread_to_neighbours(mass, self.cfg.pin_spread)
-                self._pin(layer, L, pick_spans(score, self.span_len.view()[: mass.shape[0]], rows))
+        asked = [layer for layer, mass in enumerate(self._question_mass) if mass is not None]
+        if asked:
+            scores = torch.stack([spread_to_neighbours(self._question_mass[layer], self.cfg.pin_spread)
+                                  for layer in asked])  # [layers asked, S]
+            lengths = self.span_len.view()[: scores.shape[1]]
+            common = torch.zeros(0, dtype=torch.long, device=self.device)
+            if self.cfg.pin_vote > 0:
+                common = pick_spans(voted_spans(scores, lengths, rows), lengths, int(self.cfg.pin_vote * rows))
+            own_rows = rows - int(lengths[common].sum())
+            scores[:, common] = float("-inf")  # each layer's own picks are other spans
+            for i, layer in enumerate(asked):
+                own = pick_spans(scores[i], lengths, own_rows)
+                self._pin(layer, self.layers[layer], torch.cat([common, own[~torch.isin(own, common)]]))
         self._question_mass = [None] * self.config.n_layers
         self._note_peak()
 

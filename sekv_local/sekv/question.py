@@ -44,12 +44,21 @@ class PinnedRows:
 
 
 #: how a span's share of the question's attention [H, T] becomes one score: the most any head gives it from any
-#: question token ("max"), from the last token ("last"), or on average over the question's tokens ("mean")
-PIN_SCORES = ("max", "last", "mean")
+#: question token ("max"), from the last token ("last"), on average over the question's tokens ("mean"), or the
+#: most any head gives it from any token relative to what that head gives it from the question's typical token
+#: ("lift": position alone draws a head to the spans next to the sinks and the recent window from every token,
+#: a question's words draw it to the spans that match them)
+PIN_SCORES = ("max", "last", "mean", "lift")
+
+#: "lift" divides by the median share plus this over the number of spans: a span every token ignores stays low
+LIFT_FLOOR = 0.01
 
 
 def question_span_score(mass: torch.Tensor, rule: str) -> torch.Tensor:
     """mass [H, T, S]: each span's share of each head's attention from each question token -> score [S]."""
+    if rule == "lift":
+        typical = mass.median(dim=1, keepdim=True).values + LIFT_FLOOR / mass.shape[-1]
+        return (mass / typical).amax(dim=(0, 1))
     if rule == "max":
         return mass.amax(dim=(0, 1))
     if rule == "last":
@@ -67,6 +76,19 @@ def spread_to_neighbours(score: torch.Tensor, weight: float) -> torch.Tensor:
     zero = score.new_zeros(1)
     neighbours = torch.maximum(torch.cat([zero, score[:-1]]), torch.cat([score[1:], zero]))
     return torch.maximum(score, weight * neighbours)
+
+
+def voted_spans(scores: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
+    """scores [L, S] (each layer's ranking of the spans), lengths [S] -> [S]: how many layers would pin each span
+    on their own (its best-scored spans within `rows`), ties broken by the summed reciprocal rank. A span that a
+    few layers' content heads single out outvotes the positional favourites that differ from layer to layer."""
+    order = torch.argsort(scores, dim=1, descending=True)  # [L, S]
+    fits = (torch.cumsum(lengths[order], dim=1) <= rows).long().cumprod(dim=1).bool()
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    picked = torch.zeros_like(fits).scatter_(1, order, fits)
+    reciprocal = (1.0 / (1.0 + rank.float())).sum(dim=0)
+    return picked.sum(dim=0).float() + reciprocal / (reciprocal.max() + 1.0)
 
 
 def pick_spans(score: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
