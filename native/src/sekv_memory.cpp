@@ -118,17 +118,6 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     // the rows they gather cross to the GPU
     ggml_backend_buffer_set_usage(mem->host_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_backend_buffer_clear(mem->device_buf, 0);
-    // each table's last slot is the zero slot that a span of the other table reads (the two terms add up); a
-    // fresh allocation may hold what an earlier memory left there
-    for (const auto & t : mem->layers) {
-        for (ggml_tensor * table : {t.uk, t.wk, t.uv, t.wv, t.rk, t.rvt}) {
-            const std::vector<uint8_t> zeros(table->nb[1], 0);
-            for (int64_t h = 0; h < table->ne[2]; ++h) {
-                ggml_backend_tensor_set(table, zeros.data(), (size_t) (h * table->nb[2] + (table->ne[1] - 1) * table->nb[1]),
-                                        table->nb[1]);
-            }
-        }
-    }
     ggml_backend_buffer_clear(mem->host_buf, 0);
     std::vector<float> ninf((size_t) (k * KV), -INFINITY);
     ggml_backend_tensor_set(mem->neg_inf, ninf.data(), 0, ggml_nbytes(mem->neg_inf));
