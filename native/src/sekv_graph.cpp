@@ -46,14 +46,10 @@ struct step_builder {
         return ggml_reshape_2d(ctx, best, a->ne[0], a->ne[2]);
     }
 
-    // slots of the chosen spans in a table whose KV heads are stacked: i32 [k, 1, KV]
-    ggml_tensor * table_slots(ggml_tensor * table, ggml_tensor * chosen, int64_t k) const {
-        return ggml_reshape_3d(ctx, ggml_get_rows(ctx, table, chosen), k, 1, KV);
-    }
-
-    // the same slots for each of g query rows per KV head: i32 [k, g * KV] (mul_mat_id's ids)
-    ggml_tensor * row_slots(ggml_tensor * slots, int64_t k, int64_t g) const {
-        return ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, slots, k, g, KV, 1), k, g * KV);
+    // the chosen spans' entries of a raw table whose KV heads are stacked, [n, slots, KV] -> f32 [n, k, KV]
+    ggml_tensor * raw_rows(ggml_tensor * table, ggml_tensor * slot_of_span, ggml_tensor * chosen, int64_t k) const {
+        ggml_tensor * slots = ggml_reshape_2d(ctx, ggml_get_rows(ctx, slot_of_span, chosen), k, KV);
+        return ggml_get_rows(ctx, table, slots);
     }
 
     // The learned router's choice: q_pre [D, G, KV] (before RoPE) -> chosen spans i32 [k, KV] and whether
@@ -84,10 +80,8 @@ struct step_builder {
     // needs, made once for every query block.
     struct zoom_set {
         int64_t k = 0;                       // spans per KV head (0: none routed)
-        ggml_tensor * zk = nullptr;          // factored spans' keys, rebuilt and rotated [D, l * k, KV]
-        ggml_tensor * zv_fact = nullptr;     // factored spans' values, rebuilt [l, D, k * KV]
-        ggml_tensor * k_slots = nullptr;     // raw spans' slots i32 [k, 1, KV] in the key table
-        ggml_tensor * v_slots = nullptr;     // ... and in the value table
+        ggml_tensor * zk = nullptr;          // the zoomed spans' keys, rotated [D, l * k, KV]
+        ggml_tensor * zvt = nullptr;         // their values, transposed [l * k, D, KV]
         ggml_tensor * zmask = nullptr;       // padding and empty slots: 0 / -inf [l * k, 1, KV]
         ggml_tensor * coarse_bias = nullptr; // each summary row's bias [S, 1, KV], zoomed and pinned spans out
     };
@@ -123,27 +117,40 @@ struct step_builder {
         }
         ggml_set_output(chosen);
         *zoom_out = chosen;
-        // Zoomed rows: a factored span's rows are rebuilt (U W, then RoPE at their own positions); a raw
-        // span's rows are read where they lie (mul_mat_id picks each head's spans from the table). A span is
-        // in one table and reads the other's zero slot: the terms add up.
-        if (t.n_raw[0] > 0) z.k_slots = table_slots(t.k_rslot, chosen, k);
+        // Zoomed rows, gathered once into dense tensors that every query row of the chunk reads with one matmul
+        // per KV head: a factored span's rows are rebuilt (U W, then RoPE at their own positions); a raw span's
+        // rows are copied from the host table. A span lies in one table and reads the other's zero slot: the two
+        // gathers add up.
+        ggml_tensor * zk = nullptr, * zv = nullptr;  // keys [D, l * k, KV]; values [l, D, k * KV]
         if (t.n_factored[0] > 0) {
             ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.k_fslot, chosen), k, KV);
             ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uk, f), R, l, k * KV);
             ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wk, f), R, D, k * KV);
             ggml_tensor * zpos = ggml_reshape_1d(ctx, ggml_get_rows(ctx, mem->row_pos, chosen), l * k * KV);
-            ggml_tensor * zk = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w, u), D, 1, l * k * KV);
-            z.zk = ggml_reshape_3d(ctx, rope(zk, zpos, m->model->layers[il].rope_freqs), D, l * k, KV);
+            ggml_tensor * rebuilt = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w, u), D, 1, l * k * KV);
+            zk = ggml_reshape_3d(ctx, rope(rebuilt, zpos, m->model->layers[il].rope_freqs), D, l * k, KV);
+        }
+        if (t.n_raw[0] > 0) {  // raw keys are stored rotated
+            ggml_tensor * raw = ggml_reshape_3d(ctx, raw_rows(t.rk, t.k_rslot, chosen, k), D, l * k, KV);
+            zk = zk != nullptr ? ggml_add_inplace(ctx, zk, raw) : raw;
         }
         if (t.n_factored[1] > 0) {
             ggml_tensor * f = ggml_reshape_2d(ctx, ggml_get_rows(ctx, t.v_fslot, chosen), k, KV);
             ggml_tensor * u = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.uv, f), R, l, k * KV);
             ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wv, f), R, D, k * KV);
-            z.zv_fact = ggml_mul_mat(ctx, u, w);  // [l, D, k*KV]
+            zv = ggml_mul_mat(ctx, u, w);  // [l, D, k * KV]
         }
-        if (t.n_raw[1] > 0) {
-            z.v_slots = t.same_raw_slots && z.k_slots != nullptr ? z.k_slots : table_slots(t.v_rslot, chosen, k);
+        if (t.n_raw[1] > 0) {  // raw values are stored transposed, [l, D] per span
+            ggml_tensor * raw = ggml_reshape_3d(ctx, raw_rows(t.rvt, t.v_rslot, chosen, k), l, D, k * KV);
+            zv = zv != nullptr ? ggml_add_inplace(ctx, zv, raw) : raw;
         }
+        // Kept in f16 while every query block reads them, as the host tier stores them (the products then round
+        // the queries and probabilities to f16, as they do for the exact rows): the compute buffer holds the pool
+        // once at half the bytes, beside one f32 rebuild at a time.
+        z.zk = ggml_cast(ctx, zk, GGML_TYPE_F16);
+        // [l, D, k, KV] -> [l, k, D, KV]: row j * l + r of span j, as the keys and the mask order them
+        ggml_tensor * zvt = ggml_cast(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, zv, l, D, k, KV), 0, 2, 1, 3), GGML_TYPE_F16);
+        z.zvt = ggml_reshape_3d(ctx, zvt, l * k, D, KV);
         z.zmask = ggml_reshape_3d(ctx, ggml_get_rows(ctx, mem->row_mask, chosen), l * k, 1, KV);
         // a zoomed span is represented by its rows only: its summary row leaves the softmax
         ggml_tensor * summary_out = ggml_view_3d(ctx, mem->neg_inf, 1, k, KV, mem->neg_inf->nb[1], mem->neg_inf->nb[2], 0);
@@ -179,15 +186,7 @@ struct step_builder {
             scores = ggml_concat(ctx, scores, ggml_add(ctx, ggml_mul_mat(ctx, t.sk, q), z.coarse_bias), 0);
         }
         if (k > 0) {
-            ggml_tensor * zscores = z.zk != nullptr ? ggml_mul_mat(ctx, z.zk, q) : nullptr;  // [l*k, g, KV]
-            if (z.k_slots != nullptr) {  // raw keys are stored rotated: [D, l, slots * KV] x q -> [l, k, g * KV]
-                ggml_tensor * table = ggml_reshape_3d(ctx, t.rk, D, l, t.rk->ne[1] * KV);
-                ggml_tensor * s = ggml_mul_mat_id(ctx, table, ggml_reshape_3d(ctx, ggml_cont(ctx, q), D, 1, g * KV),
-                                                  row_slots(z.k_slots, k, g));
-                s = ggml_reshape_3d(ctx, s, l * k, g, KV);
-                zscores = zscores != nullptr ? ggml_add(ctx, zscores, s) : s;
-            }
-            scores = ggml_concat(ctx, scores, ggml_add(ctx, zscores, z.zmask), 0);
+            scores = ggml_concat(ctx, scores, ggml_add(ctx, ggml_mul_mat(ctx, z.zk, q), z.zmask), 0);  // + [l*k, g, KV]
         }
         ggml_tensor * probs = ggml_soft_max(ctx, scores);  // [N, g, KV]
         ggml_tensor * out = ggml_mul_mat(ctx, evt, rows(probs, 0, n_rows));  // [D, g, KV]
@@ -198,25 +197,8 @@ struct step_builder {
         if (S > 0) {
             out = ggml_add(ctx, out, ggml_mul_mat(ctx, t.svt, rows(probs, n_direct, S)));
         }
-        if (z.zv_fact != nullptr || z.v_slots != nullptr) {
-            // the zoomed rows' probabilities per (span, query row): [l, k, g * KV]
-            ggml_tensor * pz = ggml_view_3d(ctx, probs, l, k, g * KV, l * probs->nb[0], probs->nb[1],
-                                            (n_direct + S) * probs->nb[0]);
-            ggml_tensor * per_span = nullptr;  // [D, k, g * KV]: each span's share of each query row's output
-            if (z.zv_fact != nullptr) {  // [l, D] x [l, g] per (span, KV head)
-                ggml_tensor * pf = ggml_view_4d(ctx, pz, l, g, k, KV, pz->nb[2], pz->nb[1], g * pz->nb[2], 0);  // [l, g, k, KV]
-                pf = ggml_cont(ctx, pf);
-                ggml_tensor * o = ggml_mul_mat(ctx, z.zv_fact, ggml_reshape_3d(ctx, pf, l, g, k * KV));  // [D, g, k*KV]
-                per_span = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, o, D, g, k, KV), 0, 2, 1, 3));
-                per_span = ggml_reshape_3d(ctx, per_span, D, k, g * KV);
-            }
-            if (z.v_slots != nullptr) {  // values stored transposed: [l, D, slots * KV]
-                ggml_tensor * table = ggml_reshape_3d(ctx, t.rvt, l, D, t.rvt->ne[1] * KV);
-                ggml_tensor * o = ggml_mul_mat_id(ctx, table, pz, row_slots(z.v_slots, k, g));  // [D, k, g * KV]
-                per_span = per_span != nullptr ? ggml_add(ctx, per_span, o) : o;
-            }
-            per_span = ggml_cont(ctx, ggml_permute(ctx, per_span, 1, 0, 2, 3));  // [k, D, g * KV]
-            out = ggml_add(ctx, out, ggml_reshape_3d(ctx, ggml_sum_rows(ctx, per_span), D, g, KV));
+        if (k > 0) {
+            out = ggml_add(ctx, out, ggml_mul_mat(ctx, z.zvt, rows(probs, n_direct + S, l * k)));
         }
         return out;
     }
@@ -227,7 +209,7 @@ struct step_builder {
         const sekv_layer_tensors & t = mem->layers[il];
         const int64_t S = mem->params.n_spans, l = mem->params.span_rows;
         const int64_t k = std::min<int64_t>(mem->params.zoom_k, std::max<int64_t>(S - t.n_pinned_spans, 0));
-        const int64_t per_token = (2 * (n_rows + t.n_pin_rows + S + l * k) + 2 * D * k) * (G / T) * KV * 4;
+        const int64_t per_token = 2 * (n_rows + t.n_pin_rows + S + l * k) * (G / T) * KV * 4;
         return std::max<int64_t>(1, SEKV_BLOCK_BYTES / std::max<int64_t>(per_token, 1));
     }
 

@@ -63,7 +63,6 @@ struct sekv_layer_tensors {
     int32_t n_pinned_spans = 0;  // spans they belong to
     int32_t n_factored[2] = {0, 0};  // keys, values
     int32_t n_raw[2] = {0, 0};
-    bool same_raw_slots = false;  // keys and values store the same spans raw: one slot lookup serves both
 };
 
 struct sekv_memory {
@@ -93,8 +92,9 @@ struct sekv_memory {
     std::vector<int32_t> last_zoom_k;             // [layer]: k of that layer's last step
 };
 
-// About what one block of a chunk's attention may allocate (scores, probabilities, per-span value terms).
-constexpr int64_t SEKV_BLOCK_BYTES = 2 << 20;
+// About what one block of a chunk's attention may allocate (scores and probabilities). The zoom pool's rows sit
+// beside the blocks in the same compute buffer, so a chunk at a 25% budget stays within it (test_native.py).
+constexpr int64_t SEKV_BLOCK_BYTES = 1 << 20;
 // Nodes the graph of T tokens may hold (every layer's ops, a chunk's attention and surprisal in blocks).
 size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T);
 // Most nodes a graph may hold on the multi-backend scheduler (it sizes its tables once).

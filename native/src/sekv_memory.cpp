@@ -251,8 +251,7 @@ static bool set_store(sekv_memory * mem, const sekv_span_rows & rows, ggml_tenso
         }
         for (int64_t h = 0; h < KV; ++h) {
             f[(size_t) (h * S + s)] = is_raw ? F : nf;  // F, W: the zero slots
-            // raw rows are read by mul_mat_id from the table with its KV heads stacked: global slot
-            r[(size_t) (h * S + s)] = (is_raw ? nr : W) + (int32_t) h * (W + 1);
+            r[(size_t) (h * S + s)] = is_raw ? nr : W;
         }
         (is_raw ? nr : nf) += 1;
     }
@@ -276,8 +275,6 @@ int sekv_memory_set_layer_spans(sekv_memory * mem, int32_t layer, const uint16_t
         !set_store(mem, *values, t.uv, t.wv, t.rvt, t.v_fslot, t.v_rslot, t.n_factored[1], t.n_raw[1])) {
         return -1;
     }
-    t.same_raw_slots = std::equal(keys->is_raw, keys->is_raw + S, values->is_raw,
-                                  [](int32_t a, int32_t b) { return (a != 0) == (b != 0); });
     mem->layer_spans_set[layer] = true;
     return 0;
 }
