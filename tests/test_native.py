@@ -423,6 +423,25 @@ def test_memory_params_are_checked(model_path, library) -> None:
         NativeModel("/nonexistent.gguf", 1)
 
 
+def test_a_memory_that_routes_with_the_learned_router_counts_its_parameters(model_path, library) -> None:
+    """The router's q_proj and thresholds live in the model's buffer, but only a memory that routes with them
+    needs them: its device bytes include them."""
+    load_library(library)
+    model = NativeModel(model_path, 1)
+    i = model.info
+    q_proj = np.zeros((i.n_layer, i.head_dim, 32), dtype=np.float32)
+    threshold = np.zeros((i.n_layer, i.n_head), dtype=np.float32)
+    model.set_router(q_proj, threshold)
+    raw = np.full((i.n_layer, 2), 3, dtype=np.int32)
+    device = {}
+    for learned in (False, True):
+        memory = NativeMemory(model, 16, 3, 8, 4, 2, 1.0, np.zeros_like(raw), raw, learned_router=learned)
+        device[learned] = memory.bytes().device
+        memory.close()
+    routing_keys = i.n_layer * i.n_head_kv * 3 * 32 * 2  # f16 [d', S, KV] per layer
+    assert device[True] - device[False] >= q_proj.nbytes + threshold.nbytes + routing_keys
+
+
 def session(engine: str, document: str, tokenizer, **kw) -> Session:
     settings = SessionSettings(engine=engine, method="sekv", budget=0.25, threads=2, max_new_tokens=24, **kw)
     s = Session.create(Document.from_text(document), settings, show_progress=False, tokenizer=tokenizer)

@@ -341,6 +341,10 @@ int32_t sekv_memory_n_exact(const sekv_memory * mem) { return mem->n_exact; }
 
 int sekv_memory_bytes(const sekv_memory * mem, uint64_t * device, uint64_t * host, uint64_t * compute) {
     *device = ggml_backend_buffer_get_size(mem->device_buf);
+    // the learned router's parameters sit beside the weights only for the memories that route with them
+    if (mem->params.router && mem->model->router_buf != nullptr) {
+        *device += ggml_backend_buffer_get_size(mem->model->router_buf);
+    }
     *host = ggml_backend_buffer_get_size(mem->host_buf);
     *compute = 0;
     if (mem->allocr) {
