@@ -50,11 +50,12 @@ def test_docmap_bins_cover_the_document_once():
 
 def test_docmap_hits_levels_and_hottest():
     zoomed = [{"doc_token": 100, "length": 20, "hits": 30}, {"doc_token": 700, "length": 200, "hits": 10},
+              {"doc_token": 400, "length": 10, "hits": 1},  # under 1/16 of the hottest cell: a trace
               {"doc_token": 5000, "length": 10, "hits": 99}]  # outside the document: ignored
     values = docmap.bin_hits(zoomed, 1000, 10)
-    assert sum(values) == pytest.approx(40)
+    assert sum(values) == pytest.approx(41)
     assert values[1] == pytest.approx(30) and values[7] == pytest.approx(5) and values[8] == pytest.approx(5)
-    assert docmap.levels(values) == [0, 3, 0, 0, 0, 0, 0, 1, 1, 0]  # darker = more hits; any hit shows
+    assert docmap.levels(values) == [0, 4, 0, 0, 1, 0, 0, 2, 2, 0]  # darker = more hits; a trace still shows
     assert docmap.hottest_bin(values) == 1
     assert docmap.hottest_bin([0.0] * 4) is None and docmap.levels([0.0, 0.0]) == [0, 0]
     assert [z["doc_token"] for z in docmap.spans_in(zoomed, 95, 110)] == [100]

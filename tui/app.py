@@ -587,7 +587,8 @@ class ChatApp(App[None]):
         dmap.set_data(session.document_tokens, zoomed)
         dmap.cursor = None
         if zoomed:
-            hint = "Darker cells: where the last answer zoomed in. F2 then ←/→ or a click shows the passage."
+            hint = ("Coloured cells: where the last answer zoomed in (light grey: a trace). F2 then ←/→ or a click "
+                    "shows the passage.")
         elif "spans" in observations and answer is None:
             hint = "Ask a question: the map shows where the answer zoomed in. F2 then ←/→ or a click shows a passage."
         else:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-#: characters for zero and increasing heat; index 0 is "no hits"
-SHADES = "░▒▓█"
+#: characters for no hits, a trace, and increasing heat
+SHADES = "░░▒▓█"
+#: a cell with fewer than this share of the hottest cell's hits is a trace: a routed slot now and then over
+#: the answer, not a place the answer came from (with question-time pins most cells get a few such hits)
+TRACE = 1 / 16
 
 
 def bin_span(index: int, doc_tokens: int, n_bins: int) -> tuple[int, int]:
@@ -54,11 +57,14 @@ def bin_hits(zoomed: Iterable[dict[str, Any]], doc_tokens: int, n_bins: int) -> 
 
 
 def levels(values: Sequence[float], n_levels: int = len(SHADES) - 1) -> list[int]:
-    """0 for cells without hits, else 1..n_levels scaled to the hottest cell (any hit shows)."""
+    """0 for cells without hits, 1 for a trace (under TRACE of the hottest cell), else 2..n_levels scaled to
+    the hottest cell."""
     top = max(values, default=0.0)
     if top <= 0:
         return [0] * len(values)
-    return [0 if v <= 0 else max(1, min(n_levels, math.ceil(n_levels * v / top))) for v in values]
+    heat = n_levels - 1
+    return [0 if v <= 0 else 1 if v < TRACE * top else 1 + max(1, min(heat, math.ceil(heat * v / top)))
+            for v in values]
 
 
 def spans_in(zoomed: Iterable[dict[str, Any]], start: int, end: int) -> list[dict[str, Any]]:

@@ -219,7 +219,7 @@ class HelpScreen(ModalScreen[None]):
             table([(f"{name} {arg}".strip(), what) for name, (arg, what) in COMMANDS.items()]), Text(""),
             Text("The side panel shows the memory of the document (device tier, host tier and the full-KV "
                  "baseline) and the document map: darker cells are where the last answer zoomed in "
-                 "(method sekv); select one to read that passage.", style="dim"))
+                 "(method sekv; light grey: only a trace of its reads); select one to read that passage.", style="dim"))
         with VerticalScroll(id="help-box"):
             yield Static(text, id="help-text")
         yield Footer()

@@ -2,7 +2,7 @@
 answers a question, and the document map shows where the answer came from.
 
     python -m sekv_local.tui.screenshot docs/tui.svg
-    python -m sekv_local.tui.screenshot OUT.svg --document FILE --question "..." --method sekv --budget 0.25
+    python -m sekv_local.tui.screenshot OUT.svg --document FILE --question "..." --engine torch --method sekv --budget 0.25
 
 Runs headless (no terminal needed); takes about as long as reading the document and one answer.
 """
@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--document", type=Path, help="document (default: the bundled sample)")
     parser.add_argument("--question", default=DEFAULT_QUESTION)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--engine", default="auto", help="as `chat`'s --engine (default: the same as chat's)")
     parser.add_argument("--method", default="sekv")
-    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--budget", type=float, default=None, help="default: the method's own, as in chat")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--size", default="132x40", help="terminal COLUMNSxROWS")
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cols, rows = (int(x) for x in args.size.lower().split("x"))
     document = read_any(args.document) if args.document else sample_document()
-    settings = SessionSettings(model=args.model, method=args.method,
-                               budget=None if args.method == "full" else args.budget, threads=args.threads,
+    settings = SessionSettings(model=args.model, engine=args.engine, method=args.method,
+                               budget=args.budget, threads=args.threads,
                                max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(temperature=0.0))
     with tempfile.TemporaryDirectory() as memory_dir:  # never offer/load a saved memory here
         app = ChatApp(document, settings, memory_dir=memory_dir)

@@ -172,7 +172,7 @@ class DocumentMap(Widget, can_focus=True):
     def render(self) -> Text:
         n = self.n_bins
         lv = docmap.levels(self.values())
-        colours = ["grey35", "yellow", "dark_orange", "red"]
+        colours = ["grey35", "grey62", "yellow", "dark_orange", "red"]
         strip = Text()
         for i, level in enumerate(lv):
             style = colours[level]
