@@ -17,6 +17,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <numeric>
 #include <cmath>
 #include <tuple>
 #include <utility>
@@ -81,7 +82,8 @@ struct step_builder {
     struct zoom_set {
         int64_t k = 0;                       // spans per KV head (0: none routed)
         ggml_tensor * zk = nullptr;          // the zoomed spans' keys, rotated [D, l * k, KV]
-        ggml_tensor * zvt = nullptr;         // their values, transposed [l * k, D, KV]
+        ggml_tensor * zvt = nullptr;         // their values, transposed [l * k, D, KV] (a decode step)
+        ggml_tensor * zv = nullptr;          // their values as rows [D, l * k, KV] (a chunk)
         ggml_tensor * zmask = nullptr;       // padding and empty slots: 0 / -inf [l * k, 1, KV]
         ggml_tensor * coarse_bias = nullptr; // each summary row's bias [S, 1, KV], zoomed and pinned spans out
     };
@@ -148,9 +150,13 @@ struct step_builder {
         // the queries and probabilities to f16, as they do for the exact rows): the compute buffer holds the pool
         // once at half the bytes, beside one f32 rebuild at a time.
         z.zk = ggml_cast(ctx, zk, GGML_TYPE_F16);
-        // [l, D, k, KV] -> [l, k, D, KV]: row j * l + r of span j, as the keys and the mask order them
-        ggml_tensor * zvt = ggml_cast(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, zv, l, D, k, KV), 0, 2, 1, 3), GGML_TYPE_F16);
-        z.zvt = ggml_reshape_3d(ctx, zvt, l * k, D, KV);
+        if (T == 1) {  // [l, D, k, KV] -> [l, k, D, KV]: row j * l + r of span j, as the keys and the mask order them
+            ggml_tensor * zvt = ggml_cast(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, zv, l, D, k, KV), 0, 2, 1, 3), GGML_TYPE_F16);
+            z.zvt = ggml_reshape_3d(ctx, zvt, l * k, D, KV);
+        } else {  // a chunk's flash attention reads values as rows: [l, D, k, KV] -> [D, l, k, KV]
+            z.zv = ggml_reshape_3d(ctx, ggml_cast(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, zv, l, D, k, KV), 1, 0, 2, 3),
+                                                  GGML_TYPE_F16), D, l * k, KV);
+        }
         z.zmask = ggml_reshape_3d(ctx, ggml_get_rows(ctx, mem->row_mask, chosen), l * k, 1, KV);
         // a zoomed span is represented by its rows only: its summary row leaves the softmax
         ggml_tensor * summary_out = ggml_view_3d(ctx, mem->neg_inf, 1, k, KV, mem->neg_inf->nb[1], mem->neg_inf->nb[2], 0);
@@ -213,6 +219,77 @@ struct step_builder {
         return std::max<int64_t>(1, SEKV_BLOCK_BYTES / std::max<int64_t>(per_token, 1));
     }
 
+    // f32 [n, 1] of one value (ggml makes no constant tensors: a range scaled to 0, plus the value)
+    ggml_tensor * filled(int64_t n, float value) const {
+        return ggml_scale_bias(ctx, ggml_arange(ctx, 0.0f, (float) n, 1.0f), 0.0f, value);
+    }
+
+    // keys [D, n, KV] f16 with each row's bias f32 [n, 1, KV] (nullptr: 0) as one more component -> [D + 1, n, KV]
+    // f16: a query whose extra component is 1 then scores q.k + bias, so one flash-attention call needs no per-head
+    // mask for the summary biases and the zoomed spans' padding
+    ggml_tensor * biased(ggml_tensor * keys, ggml_tensor * bias, int64_t n) const {
+        ggml_tensor * b = bias != nullptr ? bias : filled(n * KV, 0.0f);
+        return ggml_concat(ctx, keys, ggml_cast(ctx, ggml_reshape_3d(ctx, b, 1, n, KV), GGML_TYPE_F16), 0);
+    }
+
+    // values stored transposed [n, D, KV] -> rows [D, n, KV] f16
+    ggml_tensor * as_rows(ggml_tensor * vt) const { return ggml_cont(ctx, ggml_transpose(ctx, vt)); }
+
+    // Query tokens per flash-attention call of a chunk: its causal mask [N, Gh * n] f16, made from two parts, stays
+    // near SEKV_BLOCK_BYTES, but a call has at least the 64 query rows from which ggml's CPU flash attention runs
+    // tiled (GGML_FA_TILE_Q; below it, one query row at a time: 1.5x slower per chunk).
+    int64_t flash_block_tokens(int64_t N) const {
+        const int64_t Gh = G / T, unit = 64 / std::gcd<int64_t>(64, Gh);  // tokens whose query rows fill whole tiles
+        const int64_t fit = SEKV_BLOCK_BYTES / std::max<int64_t>(N * Gh * 4, 1);
+        return unit * std::max<int64_t>(1, fit / unit);
+    }
+
+    // A chunk's attention (q scaled [D, G, KV], causal f32 [n_rows, 1, T, 1]) as ggml's flash attention over every
+    // row it may read, [exact | pinned | summaries | zoomed], with the biases folded into the keys: the scores are
+    // never materialised (the blocked products read the chunk's scores several times over and were slower than
+    // the torch engine's). Queries run in blocks of tokens that bound the causal mask. -> [D, G, KV]
+    ggml_tensor * attend_chunk(int il, ggml_tensor * q, ggml_tensor * causal, const zoom_set & z) const {
+        const sekv_layer_tensors & t = mem->layers[il];
+        const int64_t S = mem->params.n_spans, l = mem->params.span_rows, P = t.n_pin_rows, k = z.k, Gh = G / T;
+        ggml_tensor * ek = ggml_view_3d(ctx, t.ek, D, n_rows, KV, t.ek->nb[1], t.ek->nb[2], 0);
+        ggml_tensor * evt = ggml_view_3d(ctx, t.evt, n_rows, D, KV, t.evt->nb[1], t.evt->nb[2], 0);
+        ggml_tensor * keys = biased(ek, nullptr, n_rows);
+        ggml_tensor * values = as_rows(evt);
+        if (P > 0) {
+            keys = ggml_concat(ctx, keys, biased(ggml_view_3d(ctx, t.pk, D, P, KV, t.pk->nb[1], t.pk->nb[2], 0), nullptr, P), 1);
+            values = ggml_concat(ctx, values, as_rows(ggml_view_3d(ctx, t.pvt, P, D, KV, t.pvt->nb[1], t.pvt->nb[2], 0)), 1);
+        }
+        if (S > 0) {
+            keys = ggml_concat(ctx, keys, biased(t.sk, z.coarse_bias, S), 1);
+            values = ggml_concat(ctx, values, as_rows(t.svt), 1);
+        }
+        if (k > 0) {
+            keys = ggml_concat(ctx, keys, biased(z.zk, z.zmask, l * k), 1);
+            values = ggml_concat(ctx, values, z.zv, 1);
+        }
+        const int64_t N = keys->ne[1], block = std::min<int64_t>(flash_block_tokens(N), T);
+        ggml_tensor * out = nullptr;
+        for (int64_t a = 0; a < T; a += block) {
+            const int64_t n = std::min(block, T - a);
+            ggml_tensor * qb = ggml_view_3d(ctx, q, D, n * Gh, KV, q->nb[1], q->nb[2], a * Gh * q->nb[1]);
+            ggml_tensor * qx = ggml_concat(ctx, qb, ggml_reshape_3d(ctx, filled(n * Gh * KV, 1.0f), 1, n * Gh, KV), 0);
+            ggml_tensor * cb = ggml_view_4d(ctx, causal, n_rows, 1, n, 1, causal->nb[1], causal->nb[2], causal->nb[3],
+                                            a * causal->nb[2]);
+            // [N, Gh * n]: the exact rows' causal mask for each query row (query head fastest), 0 for every other row
+            ggml_tensor * mask = ggml_cast(ctx, ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, cb, n_rows, Gh, n, 1), n_rows, n * Gh),
+                                           GGML_TYPE_F16);
+            if (N > n_rows) {  // made in f16: it is most of the mask
+                ggml_tensor * zero = ggml_cast(ctx, ggml_reshape_2d(ctx, filled(1, 0.0f), 1, 1), GGML_TYPE_F16);
+                mask = ggml_concat(ctx, mask, ggml_repeat_4d(ctx, zero, N - n_rows, n * Gh, 1, 1), 0);
+            }
+            ggml_tensor * o = ggml_flash_attn_ext(ctx, qx, keys, values, mask, 1.0f, 0.0f, 0.0f);
+            ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
+            ggml_tensor * part = ggml_cont(ctx, ggml_permute(ctx, o, 0, 2, 1, 3));  // [D, KV, n Gh] -> [D, n Gh, KV]
+            out = out == nullptr ? part : ggml_concat(ctx, out, part, 1);
+        }
+        return out;
+    }
+
     // attention of the query rows q [D, G, KV] (q_pre: the same before RoPE) over the layer's memory -> [D, G, KV];
     // causal f32 [n_rows, 1, T, 1]: 0 or -inf per exact row and token (a chunk's own rows), nullptr for one token.
     // One zoom choice for all rows; the attention itself runs in blocks of tokens.
@@ -220,6 +297,7 @@ struct step_builder {
                          ggml_tensor ** passed_out) const {
         q = ggml_scale(ctx, q, 1.0f / std::sqrt((float) D));  // every score below is a scaled logit
         const zoom_set z = mem->params.n_spans > 0 ? zoom(il, q, q_pre, zoom_out, passed_out) : zoom_set{};
+        if (T > 1) return attend_chunk(il, q, causal, z);
         const int64_t Gh = G / T, block = std::min<int64_t>(block_tokens(il), T);
         ggml_tensor * out = nullptr;
         for (int64_t a = 0; a < T; a += block) {
