@@ -6,7 +6,7 @@
 // query heads, and over a chunk's tokens) or, with the learned router, by q'.k'/sqrt(d') + log|S| where it
 // passes the head's threshold; a hard top-k picks the spans to zoom into (one choice per chunk, as the torch
 // engine makes it); their rows are rebuilt from the SVD factors (get_rows + mul_mat), RoPE'd at their
-// original positions; one softmax runs over exact rows (a chunk's own rows causally), pinned rows (spans a
+// original positions; one softmax runs over exact rows, pinned rows (spans a
 // question attended to, kept whole for its answer), summary rows (+log|S|; the zoomed and pinned spans' ones
 // masked) and the rebuilt rows. Pinned spans are never routed.
 //
@@ -170,19 +170,13 @@ struct step_builder {
         return z;
     }
 
-    // Attention of g query rows per KV head, q scaled [D, g, KV] (n tokens: g = n * Gh), over the layer's memory
-    // and zoom z -> [D, g, KV]; causal f32 [n_rows, 1, n, 1] or nullptr for one token.
-    ggml_tensor * attend_rows(int il, ggml_tensor * q, int64_t g, ggml_tensor * causal, const zoom_set & z) const {
+    // A decode step's attention: its query rows q scaled [D, g, KV] over the layer's memory and zoom z -> [D, g, KV].
+    ggml_tensor * attend_rows(int il, ggml_tensor * q, int64_t g, const zoom_set & z) const {
         const sekv_layer_tensors & t = mem->layers[il];
         const int64_t S = mem->params.n_spans, l = mem->params.span_rows, P = t.n_pin_rows, k = z.k;
         ggml_tensor * ek = ggml_view_3d(ctx, t.ek, D, n_rows, KV, t.ek->nb[1], t.ek->nb[2], 0);
         ggml_tensor * evt = ggml_view_3d(ctx, t.evt, n_rows, D, KV, t.evt->nb[1], t.evt->nb[2], 0);
         ggml_tensor * scores = ggml_mul_mat(ctx, ek, q);  // [n_rows, g, KV]
-        if (causal != nullptr) {
-            const int64_t Gh = G / T;
-            scores = ggml_reshape_3d(ctx, ggml_add(ctx, ggml_reshape_4d(ctx, scores, n_rows, Gh, g / Gh, KV), causal),
-                                     n_rows, g, KV);
-        }
         if (P > 0) {
             ggml_tensor * pk = ggml_view_3d(ctx, t.pk, D, P, KV, t.pk->nb[1], t.pk->nb[2], 0);
             scores = ggml_concat(ctx, scores, ggml_mul_mat(ctx, pk, q), 0);  // [n_rows + P, g, KV]
@@ -209,14 +203,12 @@ struct step_builder {
         return out;
     }
 
-    // Query tokens per block of a chunk's attention: the block's scores, probabilities and per-span value terms
-    // stay near SEKV_BLOCK_BYTES.
-    int64_t block_tokens(int il) const {
+    // Rows a layer's attention reads per KV head: exact, pinned, summaries and the zoomed spans' rows.
+    int64_t attended_rows(int il) const {
         const sekv_layer_tensors & t = mem->layers[il];
         const int64_t S = mem->params.n_spans, l = mem->params.span_rows;
         const int64_t k = std::min<int64_t>(mem->params.zoom_k, std::max<int64_t>(S - t.n_pinned_spans, 0));
-        const int64_t per_token = 2 * (n_rows + t.n_pin_rows + S + l * k) * (G / T) * KV * 4;
-        return std::max<int64_t>(1, SEKV_BLOCK_BYTES / std::max<int64_t>(per_token, 1));
+        return n_rows + t.n_pin_rows + S + l * k;
     }
 
     // f32 [n, 1] of one value (ggml makes no constant tensors: a range scaled to 0, plus the value)
@@ -292,25 +284,12 @@ struct step_builder {
 
     // attention of the query rows q [D, G, KV] (q_pre: the same before RoPE) over the layer's memory -> [D, G, KV];
     // causal f32 [n_rows, 1, T, 1]: 0 or -inf per exact row and token (a chunk's own rows), nullptr for one token.
-    // One zoom choice for all rows; the attention itself runs in blocks of tokens.
+    // One zoom choice for all rows.
     ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor * q_pre, ggml_tensor * causal, ggml_tensor ** zoom_out,
                          ggml_tensor ** passed_out) const {
         q = ggml_scale(ctx, q, 1.0f / std::sqrt((float) D));  // every score below is a scaled logit
         const zoom_set z = mem->params.n_spans > 0 ? zoom(il, q, q_pre, zoom_out, passed_out) : zoom_set{};
-        if (T > 1) return attend_chunk(il, q, causal, z);
-        const int64_t Gh = G / T, block = std::min<int64_t>(block_tokens(il), T);
-        ggml_tensor * out = nullptr;
-        for (int64_t a = 0; a < T; a += block) {
-            const int64_t n = std::min(block, T - a);
-            ggml_tensor * qb = n == T ? q
-                : ggml_cont(ctx, ggml_view_3d(ctx, q, D, n * Gh, KV, q->nb[1], q->nb[2], a * Gh * q->nb[1]));
-            ggml_tensor * cb = causal == nullptr || n == T ? causal
-                : ggml_view_4d(ctx, causal, causal->ne[0], 1, n, 1, causal->nb[1], causal->nb[2], causal->nb[3],
-                               a * causal->nb[2]);
-            ggml_tensor * part = attend_rows(il, qb, n * Gh, cb, z);
-            out = out == nullptr ? part : ggml_concat(ctx, out, part, 1);
-        }
-        return out;
+        return T > 1 ? attend_chunk(il, q, causal, z) : attend_rows(il, q, G, z);
     }
 };
 
@@ -351,8 +330,8 @@ size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T) {
                    mem->n_exact + T, T};
     size_t nodes = 256 + 16 * (size_t) ((T + sekv_nll_block(info.n_vocab) - 1) / sekv_nll_block(info.n_vocab));
     for (int il = 0; il < info.n_layer; ++il) {
-        const int64_t blocks = (T + b.block_tokens(il) - 1) / b.block_tokens(il);
-        nodes += 96 + 64 * (size_t) blocks;  // a layer's own ops, and each attention block's
+        const int64_t block = T > 1 ? b.flash_block_tokens(b.attended_rows(il)) : 1;
+        nodes += 96 + 64 * (size_t) ((T + block - 1) / block);  // a layer's own ops, and each attention block's
     }
     return nodes;
 }

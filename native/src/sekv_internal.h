@@ -92,8 +92,8 @@ struct sekv_memory {
     std::vector<int32_t> last_zoom_k;             // [layer]: k of that layer's last step
 };
 
-// About what one block of a chunk's attention may allocate (scores and probabilities). The zoom pool's rows sit
-// beside the blocks in the same compute buffer, so a chunk at a 25% budget stays within it (test_native.py).
+// About what the causal mask of one flash-attention call of a chunk may take. The rows it attends to sit beside
+// it in the same compute buffer, so a chunk at a 25% budget stays within it (test_native.py).
 constexpr int64_t SEKV_BLOCK_BYTES = 1 << 20;
 // Nodes the graph of T tokens may hold (every layer's ops, a chunk's attention and surprisal in blocks).
 size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T);
