@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sekv_local.engines.base import EngineOptions
-from sekv_local.engines.choice import choose_engine
+from sekv_local.engines.choice import EngineChoice, choose_engine
 from sekv_local.models import registry
 
 
@@ -43,7 +43,8 @@ def test_auto_without_the_native_library_says_how_to_build_it(model_path, tmp_pa
     assert "native/install.sh" in choice.reason
 
 
-def test_auto_runs_gemma3_in_the_torch_engine() -> None:
+def test_auto_runs_gemma3_in_the_llama_cpp_engine_within_its_trained_context() -> None:
     gemma = registry.resolve_model("gemma3-270m", show_progress=False)
-    choice = choose_engine("auto", gemma, sekv())
-    assert choice.name == "torch" and "does not run 'gemma3' models" in choice.reason
+    assert choose_engine("auto", gemma, sekv()) == EngineChoice("llama.cpp")
+    bounded = choose_engine("auto", gemma, sekv(positions="bounded"))
+    assert bounded.name == "torch" and "positions=bounded" in bounded.reason

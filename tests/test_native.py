@@ -10,7 +10,6 @@ and a looser KL are required (the foundation parity test measures that noise flo
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import shutil
 import time
@@ -20,8 +19,8 @@ import pytest
 import torch
 
 from gguf_copies import f32_copy
+from native_sessions import read_with_both_engines
 from sekv_local.documents import Document
-from sekv_local.engines import create_engine
 from sekv_local.engines.base import EngineOptions
 from sekv_local.engines.torch_engine import TorchEngine
 from sekv_local.errors import SekvError
@@ -495,19 +494,7 @@ def test_native_prefill_builds_the_memory_torch_builds_on_the_same_weights(f32_m
     # the llama.cpp engine's pins leave room for its decode room (answer_room): the torch side alike
     settings = SessionSettings(engine="torch", method="sekv", budget=0.25, threads=2, max_new_tokens=24,
                                method_options=(("answer_room", DECODE_ROOM),))
-    sessions, torch_tokens = {}, []
-    for engine in ("torch", "llama.cpp"):
-        options = dataclasses.replace(settings, engine=engine).engine_options()
-        if engine == "llama.cpp":
-            options.method_options["prefill"] = "native"
-        eng = create_engine(engine, f32_model, tokenizer, options)
-        if engine == "llama.cpp":  # count the tokens the torch model reads inside the llama.cpp engine
-            model = eng.reference.model
-            forward = model.forward
-            model.forward = lambda ids, *a, **kw: (torch_tokens.append(int(ids.shape[0])), forward(ids, *a, **kw))[1]
-        sessions[engine] = Session(eng, Document.from_text(sample.document), dataclasses.replace(settings, engine=engine),
-                                   f32_model)
-        sessions[engine].ingest()
+    sessions, torch_tokens = read_with_both_engines(f32_model, tokenizer, sample.document, settings)
     assert not torch_tokens  # the document's chunks never ran the torch model
     torch_cache, native_cache = sessions["torch"].engine.cache, sessions["llama.cpp"].engine.reference.cache
     for name in ("span_pos", "span_len", "exact_pos"):

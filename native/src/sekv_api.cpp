@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <vector>
 
 static bool ready(const sekv_memory * mem) {
     if (!mem->spans_set) {
@@ -26,8 +28,15 @@ static bool ready(const sekv_memory * mem) {
         sekv_set_error("the model's router was replaced by one of another routing_dim since this memory was made");
         return false;
     }
-    for (int32_t rows : mem->layer_exact) {
-        if (rows != mem->n_exact) {
+    int32_t window_end = -1;
+    for (size_t il = 0; il < mem->layers.size(); ++il) {
+        if (mem->layers[il].local) {
+            if (window_end >= 0 && mem->layers[il].window_end != window_end) {
+                sekv_set_error("sliding-window layers hold different positions: set every local layer's window");
+                return false;
+            }
+            window_end = mem->layers[il].window_end;
+        } else if (mem->layer_exact[il] != mem->n_exact) {
             sekv_set_error("layers hold different numbers of exact rows: import every layer before decoding");
             return false;
         }
@@ -80,6 +89,11 @@ static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t pos
             return -1;
         }
     }
+    const int32_t window = info.sliding_window;
+    if (mem->ring > 0 && n > window + 1) {
+        sekv_set_error("a chunk may hold at most sliding_window + 1 tokens (" + std::to_string(window + 1) + ")");
+        return -1;
+    }
     const size_t nodes = sekv_graph_nodes(mem, n);
     if (mem->sched != nullptr && nodes > SEKV_SCHED_GRAPH_SIZE) {
         sekv_set_error("a chunk this long needs a larger graph than the scheduler holds: use shorter chunks");
@@ -112,11 +126,27 @@ static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t pos
         }
         ggml_backend_tensor_set(in.causal, mask.data(), 0, mask.size() * sizeof(float));
     }
+    std::vector<int32_t> ring_after = mem->ring_pos;
+    if (mem->ring > 0) {  // the tokens' ring rows, then which rows each token sees: its window, itself included
+        const int64_t C = mem->ring;
+        std::vector<int32_t> slots((size_t) n);
+        for (int32_t i = 0; i < n; ++i) {
+            slots[i] = (int32_t) ((position + i) % C);
+            ring_after[(size_t) slots[i]] = position + i;
+        }
+        std::vector<float> mask((size_t) (C * n));
+        for (int32_t t = 0; t < n; ++t) {
+            const int32_t p = position + t;
+            for (int64_t j = 0; j < C; ++j) {
+                const int32_t at = ring_after[(size_t) j];
+                mask[(size_t) (t * C + j)] = at >= 0 && at <= p && p - at < window ? 0.0f : -INFINITY;
+            }
+        }
+        ggml_backend_tensor_set(in.ring_slots, slots.data(), 0, slots.size() * sizeof(int32_t));
+        ggml_backend_tensor_set(in.window_mask, mask.data(), 0, mask.size() * sizeof(float));
+    }
     if (in.nll_index != nullptr) {
-        const int64_t block = sekv_nll_block(info.n_vocab);
-        std::vector<int32_t> index((size_t) (n - 1));
-        for (int32_t i = 0; i + 1 < n; ++i) index[i] = (int32_t) ((i % block) * info.n_vocab + tokens[i + 1]);
-        ggml_backend_tensor_set(in.nll_index, index.data(), 0, index.size() * sizeof(int32_t));
+        ggml_backend_tensor_set(in.nll_index, tokens + 1, 0, (size_t) (n - 1) * sizeof(int32_t));
     }
     const ggml_status status = mem->sched != nullptr ? ggml_backend_sched_graph_compute(mem->sched, gf)
                                                      : ggml_backend_graph_compute(mem->model->cpu, gf);
@@ -133,6 +163,10 @@ static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t pos
     ggml_free(ctx);
     mem->n_exact += n;
     for (int32_t & rows : mem->layer_exact) rows = mem->n_exact;
+    mem->ring_pos = std::move(ring_after);
+    for (auto & t : mem->layers) {
+        if (t.local) t.window_end = position + n;
+    }
     return 0;
 }
 

@@ -31,9 +31,12 @@ struct step_builder {
     int64_t D, H, KV, G, n_rows;  // G: query rows per KV head (a chunk's tokens times the query heads of a group)
     int64_t T = 1;                // tokens (query heads per KV head: G / T)
 
-    ggml_tensor * rope(ggml_tensor * x, ggml_tensor * positions, ggml_tensor * factors) const {
-        return ggml_rope_ext(ctx, x, positions, factors, (int) D, m->rope_type, m->n_ctx_orig, m->rope_base,
-                             m->rope_scale, 0.0f, 1.0f, m->beta_fast, m->beta_slow);
+    // RoPE of layer il (a sliding-window layer has its own base and scale)
+    ggml_tensor * rope(ggml_tensor * x, ggml_tensor * positions, ggml_tensor * factors, int il) const {
+        const bool local = m->local[il] != 0;
+        return ggml_rope_ext(ctx, x, positions, factors, (int) D, m->rope_type, m->n_ctx_orig,
+                             local ? m->rope_base_swa : m->rope_base, local ? m->rope_scale_swa : m->rope_scale,
+                             0.0f, 1.0f, m->beta_fast, m->beta_slow);
     }
 
     // a [N, G, KV] slice [from, from + n) along dim 0 (mul_mat reads strided rows of its second operand)
@@ -55,9 +58,10 @@ struct step_builder {
 
     // The learned router's choice: q_pre [D, G, KV] (before RoPE) -> chosen spans i32 [k, KV] and whether
     // each passed its head's threshold f32 [1, k, KV]. A span failing every head's threshold scores
-    // BELOW (finite, so no inf * 0 below); the top-k takes it only when fewer than k passed.
+    // BELOW (finite, so no inf * 0 below); the top-k takes it only when fewer than k passed. taken i32 [n, KV]:
+    // spans already chosen (by the training-free rule of the union), scored below every other, or nullptr.
     std::pair<ggml_tensor *, ggml_tensor *> learned_route(int il, ggml_tensor * q_pre, ggml_tensor * route_bias,
-                                                          int64_t k) const {
+                                                          int64_t k, ggml_tensor * taken) const {
         constexpr float BELOW = 1e30f;
         const sekv_layer_tensors & t = mem->layers[il];
         const int64_t dp = mem->router_dim, S = mem->params.n_spans;
@@ -71,6 +75,10 @@ struct step_builder {
         ggml_tensor * passed = ggml_reshape_3d(ctx, ggml_step(ctx, ggml_sub(ctx, ggml_reshape_4d(ctx, logits, S, Gh, T, KV), thr)),
                                                S, G, KV);
         ggml_tensor * score = max_over_group(ggml_add(ctx, logits, ggml_scale_bias(ctx, passed, BELOW, -BELOW)));
+        if (taken != nullptr) {
+            ggml_tensor * out = ggml_reshape_3d(ctx, filled(taken->ne[0] * KV, -100.0f * BELOW), 1, taken->ne[0], KV);
+            score = ggml_reshape_2d(ctx, ggml_set_rows(ctx, ggml_reshape_3d(ctx, ggml_cont(ctx, score), 1, S, KV), out, taken), S, KV);
+        }
         ggml_tensor * chosen = ggml_top_k(ctx, score, (int) k);  // i32 [k, KV]
         ggml_tensor * best = ggml_get_rows(ctx, ggml_reshape_3d(ctx, score, 1, S, KV), chosen);  // [1, k, KV]
         ggml_tensor * ok = ggml_step(ctx, ggml_scale_bias(ctx, best, 1.0f, 0.1f * BELOW));
@@ -109,13 +117,28 @@ struct step_builder {
         }
         const int64_t k = z.k;
         ggml_tensor * chosen = nullptr, * ok = nullptr;
-        if (mem->params.router) {
-            std::tie(chosen, ok) = learned_route(il, q_pre, route_bias, k);
+        // the training-free rule: each span's coarse logit + log|S|, the most any query row gives it
+        auto by_attention = [&](int64_t n) {
+            return ggml_top_k(ctx, max_over_group(ggml_add(ctx, ggml_mul_mat(ctx, t.sk, q), route_bias)), (int) n);  // i32 [n, KV]
+        };
+        if (mem->params.router == 2) {  // the union: half the pool by the rule, the rest by the learned router
+            const int64_t first = (k + 1) / 2;
+            ggml_tensor * ruled = by_attention(first);
+            if (k > first) {
+                std::tie(chosen, ok) = learned_route(il, q_pre, route_bias, k - first, ruled);
+                chosen = ggml_concat(ctx, ruled, chosen, 0);
+                ok = ggml_concat(ctx, ggml_reshape_3d(ctx, filled(first * KV, 1.0f), 1, first, KV), ok, 1);
+            } else {
+                chosen = ruled;
+            }
+        } else if (mem->params.router) {
+            std::tie(chosen, ok) = learned_route(il, q_pre, route_bias, k, nullptr);
+        } else {
+            chosen = by_attention(k);
+        }
+        if (ok != nullptr) {
             ggml_set_output(ok);
             *passed_out = ok;
-        } else {
-            ggml_tensor * route = max_over_group(ggml_add(ctx, ggml_mul_mat(ctx, t.sk, q), route_bias));  // [S, KV]
-            chosen = ggml_top_k(ctx, route, (int) k);  // i32 [k, KV]
         }
         ggml_set_output(chosen);
         *zoom_out = chosen;
@@ -130,7 +153,7 @@ struct step_builder {
             ggml_tensor * w = ggml_reshape_3d(ctx, ggml_get_rows(ctx, t.wk, f), R, D, k * KV);
             ggml_tensor * zpos = ggml_reshape_1d(ctx, ggml_get_rows(ctx, mem->row_pos, chosen), l * k * KV);
             ggml_tensor * rebuilt = ggml_reshape_3d(ctx, ggml_mul_mat(ctx, w, u), D, 1, l * k * KV);
-            zk = ggml_reshape_3d(ctx, rope(rebuilt, zpos, m->model->layers[il].rope_freqs), D, l * k, KV);
+            zk = ggml_reshape_3d(ctx, rope(rebuilt, zpos, m->model->layers[il].rope_freqs, il), D, l * k, KV);
         }
         if (t.n_raw[0] > 0) {  // raw keys are stored rotated
             ggml_tensor * raw = ggml_reshape_3d(ctx, raw_rows(t.rk, t.k_rslot, chosen, k), D, l * k, KV);
@@ -206,6 +229,7 @@ struct step_builder {
     // Rows a layer's attention reads per KV head: exact, pinned, summaries and the zoomed spans' rows.
     int64_t attended_rows(int il) const {
         const sekv_layer_tensors & t = mem->layers[il];
+        if (t.local) return mem->ring;
         const int64_t S = mem->params.n_spans, l = mem->params.span_rows;
         const int64_t k = std::min<int64_t>(mem->params.zoom_k, std::max<int64_t>(S - t.n_pinned_spans, 0));
         return n_rows + t.n_pin_rows + S + l * k;
@@ -239,10 +263,10 @@ struct step_builder {
     // A chunk's attention (q scaled [D, G, KV], causal f32 [n_rows, 1, T, 1]) as ggml's flash attention over every
     // row it may read, [exact | pinned | summaries | zoomed], with the biases folded into the keys: the scores are
     // never materialised (the blocked products read the chunk's scores several times over and were slower than
-    // the torch engine's). Queries run in blocks of tokens that bound the causal mask. -> [D, G, KV]
+    // the torch engine's). -> [D, G, KV]
     ggml_tensor * attend_chunk(int il, ggml_tensor * q, ggml_tensor * causal, const zoom_set & z) const {
         const sekv_layer_tensors & t = mem->layers[il];
-        const int64_t S = mem->params.n_spans, l = mem->params.span_rows, P = t.n_pin_rows, k = z.k, Gh = G / T;
+        const int64_t S = mem->params.n_spans, l = mem->params.span_rows, P = t.n_pin_rows, k = z.k;
         ggml_tensor * ek = ggml_view_3d(ctx, t.ek, D, n_rows, KV, t.ek->nb[1], t.ek->nb[2], 0);
         ggml_tensor * evt = ggml_view_3d(ctx, t.evt, n_rows, D, KV, t.evt->nb[1], t.evt->nb[2], 0);
         ggml_tensor * keys = biased(ek, nullptr, n_rows);
@@ -259,20 +283,31 @@ struct step_builder {
             keys = ggml_concat(ctx, keys, biased(z.zk, z.zmask, l * k), 1);
             values = ggml_concat(ctx, values, z.zv, 1);
         }
+        return flash(q, keys, values, causal, true);
+    }
+
+    // Flash attention of the query rows q [D, G, KV] over keys, values [D (+ 1 when biased), N, KV], in blocks of
+    // tokens that bound the mask: mask f32 [M, 1, T, 1] (0 / -inf) for the first M rows, every later row seen by
+    // every token. biased: the keys carry each row's bias as one more component (see biased()). -> [D, G, KV]
+    ggml_tensor * flash(ggml_tensor * q, ggml_tensor * keys, ggml_tensor * values, ggml_tensor * mask_rows,
+                        bool with_bias) const {
+        const int64_t Gh = G / T, M = mask_rows->ne[0];
         const int64_t N = keys->ne[1], block = std::min<int64_t>(flash_block_tokens(N), T);
         ggml_tensor * out = nullptr;
         for (int64_t a = 0; a < T; a += block) {
             const int64_t n = std::min(block, T - a);
-            ggml_tensor * qb = ggml_view_3d(ctx, q, D, n * Gh, KV, q->nb[1], q->nb[2], a * Gh * q->nb[1]);
-            ggml_tensor * qx = ggml_concat(ctx, qb, ggml_reshape_3d(ctx, filled(n * Gh * KV, 1.0f), 1, n * Gh, KV), 0);
-            ggml_tensor * cb = ggml_view_4d(ctx, causal, n_rows, 1, n, 1, causal->nb[1], causal->nb[2], causal->nb[3],
-                                            a * causal->nb[2]);
-            // [N, Gh * n]: the exact rows' causal mask for each query row (query head fastest), 0 for every other row
-            ggml_tensor * mask = ggml_cast(ctx, ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, cb, n_rows, Gh, n, 1), n_rows, n * Gh),
+            ggml_tensor * qx = ggml_view_3d(ctx, q, D, n * Gh, KV, q->nb[1], q->nb[2], a * Gh * q->nb[1]);
+            if (with_bias) {
+                qx = ggml_concat(ctx, qx, ggml_reshape_3d(ctx, filled(n * Gh * KV, 1.0f), 1, n * Gh, KV), 0);
+            }
+            ggml_tensor * mb = ggml_view_4d(ctx, mask_rows, M, 1, n, 1, mask_rows->nb[1], mask_rows->nb[2],
+                                            mask_rows->nb[3], a * mask_rows->nb[2]);
+            // [N, Gh * n]: the masked rows for each query row (query head fastest), 0 for every other row
+            ggml_tensor * mask = ggml_cast(ctx, ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, mb, M, Gh, n, 1), M, n * Gh),
                                            GGML_TYPE_F16);
-            if (N > n_rows) {  // made in f16: it is most of the mask
+            if (N > M) {  // made in f16: it is most of the mask
                 ggml_tensor * zero = ggml_cast(ctx, ggml_reshape_2d(ctx, filled(1, 0.0f), 1, 1), GGML_TYPE_F16);
-                mask = ggml_concat(ctx, mask, ggml_repeat_4d(ctx, zero, N - n_rows, n * Gh, 1, 1), 0);
+                mask = ggml_concat(ctx, mask, ggml_repeat_4d(ctx, zero, N - M, n * Gh, 1, 1), 0);
             }
             ggml_tensor * o = ggml_flash_attn_ext(ctx, qx, keys, values, mask, 1.0f, 0.0f, 0.0f);
             ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
@@ -282,12 +317,22 @@ struct step_builder {
         return out;
     }
 
+    // A sliding-window layer: the step's rows k, v [D, T, KV] (k rotated) written to its ring at `slots` i32 [T], then
+    // q scaled [D, G, KV] attends to the ring rows `window_mask` f32 [C, 1, T, 1] lets each token see. -> [D, G, KV]
+    ggml_tensor * attend_window(int il, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * slots,
+                                ggml_tensor * window_mask) const {
+        const sekv_layer_tensors & t = mem->layers[il];
+        ggml_tensor * keys = ggml_set_rows(ctx, t.ring_k, k, slots);
+        ggml_tensor * values = ggml_set_rows(ctx, t.ring_v, v, slots);
+        return flash(q, keys, values, window_mask, false);
+    }
+
     // attention of the query rows q [D, G, KV] (q_pre: the same before RoPE) over the layer's memory -> [D, G, KV];
     // causal f32 [n_rows, 1, T, 1]: 0 or -inf per exact row and token (a chunk's own rows), nullptr for one token.
     // One zoom choice for all rows.
     ggml_tensor * attend(int il, ggml_tensor * q, ggml_tensor * q_pre, ggml_tensor * causal, ggml_tensor ** zoom_out,
                          ggml_tensor ** passed_out) const {
-        q = ggml_scale(ctx, q, 1.0f / std::sqrt((float) D));  // every score below is a scaled logit
+        q = ggml_scale(ctx, q, m->q_scale);  // every score below is a scaled logit
         const zoom_set z = mem->params.n_spans > 0 ? zoom(il, q, q_pre, zoom_out, passed_out) : zoom_set{};
         return T > 1 ? attend_chunk(il, q, causal, z) : attend_rows(il, q, G, z);
     }
@@ -300,27 +345,40 @@ ggml_tensor * matmul_bias(ggml_context * ctx, ggml_tensor * w, ggml_tensor * b, 
 
 }  // namespace
 
+// logits -> cap tanh(logits / cap) when cap > 0 (Gemma's final soft cap)
+static ggml_tensor * softcapped(ggml_context * ctx, ggml_tensor * logits, float cap) {
+    return cap > 0.0f ? ggml_scale(ctx, ggml_tanh(ctx, ggml_scale(ctx, logits, 1.0f / cap)), cap) : logits;
+}
+
+// Concatenation of parts [1, n] along dim 0 -> [parts, n], as a balanced tree (a chain would copy O(parts^2) rows).
+static ggml_tensor * stack_rows(ggml_context * ctx, const std::vector<ggml_tensor *> & parts, size_t from, size_t to) {
+    if (to - from == 1) return parts[from];
+    const size_t mid = from + (to - from) / 2;
+    return ggml_concat(ctx, stack_rows(ctx, parts, from, mid), stack_rows(ctx, parts, mid, to), 0);
+}
+
+// log sum exp over dim 0: [n, T] -> [1, T]
+static ggml_tensor * log_sum_exp(ggml_context * ctx, ggml_tensor * a) {
+    ggml_tensor * top = ggml_pool_1d(ctx, a, GGML_OP_POOL_MAX, (int) a->ne[0], (int) a->ne[0], 0);  // [1, T]
+    return ggml_add(ctx, ggml_log(ctx, ggml_sum_rows(ctx, ggml_exp(ctx, ggml_sub(ctx, a, top)))), top);
+}
+
 // The chunk's surprisal: -log p(token[i + 1] | up to i) for i < T - 1 from the final hidden rows x [n_embd, T],
-// without a [V, T] tensor: the vocabulary logits are made for a few tokens at a time (each block's buffer is
-// free again once its log-normaliser and target logits are taken). index i32 [T - 1]: (i - b) * V + token[i + 1],
-// b the first token of i's block (blocks of sekv_nll_block(V) tokens).
-static ggml_tensor * chunk_nll(ggml_context * ctx, ggml_tensor * output, ggml_tensor * x, ggml_tensor * index,
-                               int64_t T, int64_t V) {
-    const int64_t block = sekv_nll_block(V);
-    ggml_tensor * nll = nullptr;
-    for (int64_t a = 0; a < T - 1; a += block) {
-        const int64_t n = std::min(block, T - 1 - a);
-        ggml_tensor * xb = ggml_view_2d(ctx, x, x->ne[0], n, x->nb[1], a * x->nb[1]);
-        ggml_tensor * logits = ggml_mul_mat(ctx, output, xb);  // [V, n]
-        ggml_tensor * top = ggml_pool_1d(ctx, logits, GGML_OP_POOL_MAX, (int) V, (int) V, 0);  // [1, n]
-        ggml_tensor * lse = ggml_add(ctx, ggml_log(ctx, ggml_sum_rows(ctx, ggml_exp(ctx, ggml_sub(ctx, logits, top)))), top);
-        ggml_tensor * idx = ggml_view_1d(ctx, index, n, a * index->nb[0]);
-        ggml_tensor * flat = ggml_view_2d(ctx, logits, 1, V * n, sizeof(float), 0);
-        ggml_tensor * target = ggml_reshape_2d(ctx, ggml_get_rows(ctx, flat, idx), 1, n);
-        ggml_tensor * part = ggml_sub(ctx, lse, target);  // [1, n]
-        nll = nll == nullptr ? part : ggml_concat(ctx, nll, part, 1);
+// without a [V, T] tensor: each block of sekv_nll_rows vocabulary rows gives every token's log-sum-exp over it, and
+// the blocks' combine; the target's logit is its output row times the hidden row. targets i32 [T - 1]: token[i + 1].
+static ggml_tensor * chunk_nll(ggml_context * ctx, ggml_tensor * output, ggml_tensor * x, ggml_tensor * targets,
+                               int64_t T, int64_t V, float cap) {
+    ggml_tensor * xs = ggml_view_2d(ctx, x, x->ne[0], T - 1, x->nb[1], 0);  // the rows that predict a chunk token
+    const int64_t rows = sekv_nll_rows(T - 1);
+    std::vector<ggml_tensor *> parts;
+    for (int64_t a = 0; a < V; a += rows) {
+        const int64_t n = std::min(rows, V - a);
+        ggml_tensor * w = ggml_view_2d(ctx, output, output->ne[0], n, output->nb[1], a * output->nb[1]);
+        parts.push_back(log_sum_exp(ctx, softcapped(ctx, ggml_mul_mat(ctx, w, xs), cap)));  // [1, T - 1]
     }
-    return nll;
+    ggml_tensor * lse = log_sum_exp(ctx, stack_rows(ctx, parts, 0, parts.size()));
+    ggml_tensor * target = ggml_sum_rows(ctx, ggml_mul(ctx, ggml_get_rows(ctx, output, targets), xs));  // [1, T - 1]
+    return ggml_sub(ctx, lse, softcapped(ctx, target, cap));
 }
 
 size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T) {
@@ -328,10 +386,13 @@ size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T) {
     const int64_t H = info.n_head, KV = info.n_head_kv;
     step_builder b{const_cast<sekv_memory *>(mem), nullptr, mem->model, info.head_dim, H, KV, T * (H / KV),
                    mem->n_exact + T, T};
-    size_t nodes = 256 + 16 * (size_t) ((T + sekv_nll_block(info.n_vocab) - 1) / sekv_nll_block(info.n_vocab));
+    const int64_t nll_blocks = (info.n_vocab + sekv_nll_rows(T - 1) - 1) / sekv_nll_rows(T - 1);
+    size_t nodes = 256 + 16 * (size_t) nll_blocks;
     for (int il = 0; il < info.n_layer; ++il) {
         const int64_t block = T > 1 ? b.flash_block_tokens(b.attended_rows(il)) : 1;
-        nodes += 96 + 64 * (size_t) ((T + block - 1) / block);  // a layer's own ops, and each attention block's
+        const int64_t mlp_block = std::max<int64_t>(1, SEKV_MLP_BLOCK_BYTES / (4 * mem->model->model->layers[il].ffn_up->ne[1]));
+        // a layer's own ops, each attention block's and each MLP block's
+        nodes += 96 + 64 * (size_t) ((T + block - 1) / block) + 16 * (size_t) ((T + mlp_block - 1) / mlp_block);
     }
     return nodes;
 }
@@ -362,12 +423,23 @@ ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T,
         return ggml_reshape_3d(ctx, ggml_cont(ctx, r), D, Gh * T, KV);
     };
 
+    if (mem->ring > 0) {
+        in.ring_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
+        in.window_mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, mem->ring, 1, T, 1);
+        ggml_set_input(in.ring_slots);
+        ggml_set_input(in.window_mask);
+    }
+    auto norm = [&](ggml_tensor * a, ggml_tensor * weight) { return ggml_mul(ctx, ggml_rms_norm(ctx, a, m->norm_eps), weight); };
+    // the routing queries are the torch engine's: normed, pre-RoPE, times the model's scale over 1/sqrt(D)
+    const float q_pre_scale = m->q_scale * std::sqrt((float) D);
+
     ggml_tensor * x = ggml_get_rows(ctx, lm.tok_embd, in.tokens);  // [n_embd, T]
+    if (m->embed_scale != 1.0f) x = ggml_scale(ctx, x, m->embed_scale);
     zoom.chosen.assign(info.n_layer, nullptr);
     zoom.passed.assign(info.n_layer, nullptr);
     for (int il = 0; il < info.n_layer; ++il) {
         const llama_layer & w = lm.layers[il];
-        ggml_tensor * cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), w.attn_norm);
+        ggml_tensor * cur = norm(x, w.attn_norm);
         ggml_tensor * q, * k, * v;
         if (w.wqkv != nullptr) {
             ggml_tensor * qkv = matmul_bias(ctx, w.wqkv, w.wqkv_b, cur);
@@ -379,32 +451,58 @@ ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T,
             k = matmul_bias(ctx, w.wk, w.wk_b, cur);
             v = matmul_bias(ctx, w.wv, w.wv_b, cur);
         }
-        ggml_tensor * q_pre = query_rows(q);
-        q = b.rope(ggml_reshape_3d(ctx, q, D, H, T), in.pos, w.rope_freqs);
-        k = b.rope(ggml_reshape_3d(ctx, k, D, KV, T), in.pos, w.rope_freqs);
+        q = ggml_reshape_3d(ctx, q, D, H, T);
+        k = ggml_reshape_3d(ctx, k, D, KV, T);
+        if (w.attn_q_norm != nullptr) {  // per-head RMSNorm before RoPE (Gemma 3)
+            q = norm(q, w.attn_q_norm);
+            k = norm(k, w.attn_k_norm);
+        }
+        ggml_tensor * q_normed = q;
+        q = b.rope(q, in.pos, w.rope_freqs, il);
+        k = b.rope(k, in.pos, w.rope_freqs, il);
+        ggml_tensor * k_rows = ggml_permute(ctx, k, 0, 2, 1, 3);                         // [D, T, KV]
+        ggml_tensor * v_rows = ggml_permute(ctx, ggml_reshape_3d(ctx, v, D, KV, T), 0, 2, 1, 3);  // [D, T, KV]
 
-        // the new tokens become exact rows [n_exact, n_exact + T) of this layer
         const sekv_layer_tensors & t = mem->layers[il];
-        const int64_t row = mem->n_exact;
-        ggml_tensor * k_dst = ggml_view_3d(ctx, t.ek, D, T, KV, t.ek->nb[1], t.ek->nb[2], row * t.ek->nb[1]);
-        ggml_tensor * v_dst = ggml_view_3d(ctx, t.evt, T, D, KV, t.evt->nb[1], t.evt->nb[2], row * t.evt->nb[0]);
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_permute(ctx, k, 0, 2, 1, 3), k_dst));  // [D, T, KV]
-        ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, v, D, KV, T), 1, 2, 0, 3),
-                                               v_dst));  // [T, D, KV]
-
-        ggml_tensor * attn = b.attend(il, query_rows(q), q_pre, in.causal, &zoom.chosen[il], &zoom.passed[il]);
+        ggml_tensor * attn;
+        if (t.local) {
+            attn = b.attend_window(il, ggml_scale(ctx, query_rows(q), m->q_scale), k_rows, v_rows, in.ring_slots,
+                                   in.window_mask);
+        } else {
+            ggml_tensor * q_pre = query_rows(q_pre_scale != 1.0f ? ggml_scale(ctx, q_normed, q_pre_scale) : q_normed);
+            // the new tokens become exact rows [n_exact, n_exact + T) of this layer
+            const int64_t row = mem->n_exact;
+            ggml_tensor * k_dst = ggml_view_3d(ctx, t.ek, D, T, KV, t.ek->nb[1], t.ek->nb[2], row * t.ek->nb[1]);
+            ggml_tensor * v_dst = ggml_view_3d(ctx, t.evt, T, D, KV, t.evt->nb[1], t.evt->nb[2], row * t.evt->nb[0]);
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, k_rows, k_dst));
+            ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_permute(ctx, ggml_reshape_3d(ctx, v, D, KV, T), 1, 2, 0, 3),
+                                                   v_dst));  // [T, D, KV]
+            attn = b.attend(il, query_rows(q), q_pre, in.causal, &zoom.chosen[il], &zoom.passed[il]);
+        }
         // [D, Gh * T, KV] -> [D, Gh, KV, T] = [D * H, T]
         attn = ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, attn, D, Gh, T, KV), 0, 1, 3, 2));
-        x = ggml_add(ctx, x, matmul_bias(ctx, w.wo, w.wo_b, ggml_reshape_2d(ctx, attn, D * H, T)));
+        ggml_tensor * attn_out = matmul_bias(ctx, w.wo, w.wo_b, ggml_reshape_2d(ctx, attn, D * H, T));
+        if (w.attn_post_norm != nullptr) attn_out = norm(attn_out, w.attn_post_norm);
+        x = ggml_add(ctx, x, attn_out);
 
-        cur = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), w.ffn_norm);
-        ggml_tensor * gate = ggml_silu(ctx, matmul_bias(ctx, w.ffn_gate, w.ffn_gate_b, cur));
-        ggml_tensor * up = matmul_bias(ctx, w.ffn_up, w.ffn_up_b, cur);
-        x = ggml_add(ctx, x, matmul_bias(ctx, w.ffn_down, w.ffn_down_b, ggml_mul(ctx, gate, up)));
+        // the MLP over blocks of tokens: a chunk's [n_ff, T] activations were most of its compute buffer
+        cur = norm(x, w.ffn_norm);
+        const int64_t n_ff = w.ffn_up->ne[1], block = std::max<int64_t>(1, SEKV_MLP_BLOCK_BYTES / (4 * n_ff));
+        ggml_tensor * ffn_out = nullptr;
+        for (int64_t a = 0; a < T; a += block) {
+            ggml_tensor * h = ggml_view_2d(ctx, cur, cur->ne[0], std::min(block, T - a), cur->nb[1], a * cur->nb[1]);
+            ggml_tensor * gate = matmul_bias(ctx, w.ffn_gate, w.ffn_gate_b, h);
+            gate = m->gelu ? ggml_gelu(ctx, gate) : ggml_silu(ctx, gate);
+            ggml_tensor * up = matmul_bias(ctx, w.ffn_up, w.ffn_up_b, h);
+            ggml_tensor * part = matmul_bias(ctx, w.ffn_down, w.ffn_down_b, ggml_mul(ctx, gate, up));
+            ffn_out = ffn_out == nullptr ? part : ggml_concat(ctx, ffn_out, part, 1);
+        }
+        if (w.ffn_post_norm != nullptr) ffn_out = norm(ffn_out, w.ffn_post_norm);
+        x = ggml_add(ctx, x, ffn_out);
     }
     x = ggml_mul(ctx, ggml_rms_norm(ctx, x, m->norm_eps), lm.output_norm);
     ggml_tensor * last = ggml_view_2d(ctx, x, x->ne[0], 1, x->nb[1], (T - 1) * x->nb[1]);
-    ggml_tensor * logits = ggml_mul_mat(ctx, lm.output, last);
+    ggml_tensor * logits = softcapped(ctx, ggml_mul_mat(ctx, lm.output, last), m->logit_softcap);
     ggml_set_output(logits);
     ggml_set_name(logits, "logits");
     ggml_build_forward_expand(gf, logits);
@@ -412,7 +510,7 @@ ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T,
     if (with_nll && T > 1) {
         in.nll_index = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T - 1);
         ggml_set_input(in.nll_index);
-        ggml_tensor * nll = chunk_nll(ctx, lm.output, x, in.nll_index, T, info.n_vocab);
+        ggml_tensor * nll = chunk_nll(ctx, lm.output, x, in.nll_index, T, info.n_vocab, m->logit_softcap);
         ggml_set_output(nll);
         ggml_set_name(nll, "nll");
         ggml_build_forward_expand(gf, nll);

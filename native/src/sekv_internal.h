@@ -8,6 +8,7 @@
 #include "ggml-backend.h"
 #include "llama.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,15 @@ struct sekv_model {
     float beta_fast = 32.0f;
     float beta_slow = 1.0f;
     float norm_eps = 1e-5f;
+    // the layer shape beside llama's (Gemma 3: embeddings times sqrt(n_embd), q/k RMSNorm, post-norms, GELU)
+    float embed_scale = 1.0f;
+    float q_scale = 1.0f;        // attention logit scale applied to the queries
+    float logit_softcap = 0.0f;  // logits -> c tanh(logits / c) when > 0
+    bool gelu = false;           // the MLP's gate: GELU (tanh) instead of SiLU
+    // sliding-window layers: local[il] = 1; their RoPE base and scale
+    std::vector<uint8_t> local;
+    float rope_base_swa = 10000.0f;
+    float rope_scale_swa = 1.0f;
     // SeKV's learned router (sekv_router.cpp): q_proj^T f32 [D, d', L], per-head thresholds f32 [H, L]
     int32_t router_dim = 0;  // d'; 0: no learned router
     ggml_context * router_ctx = nullptr;
@@ -50,6 +60,8 @@ void sekv_router_free(sekv_model * model);
 //   route_k f16 [d', S, KV]  routing keys of the learned router (params.router only)
 //   pk f16 [D, P, KV], pvt f16 [P, D, KV]  pinned rows (post-RoPE keys; values transposed), P = n_pinned[il]
 //   pin_bias f32 [S, 1, 1]   0, or -inf for a pinned span: added to its summary row's bias and routing score
+// A sliding-window layer holds only its ring (device tier): wk_ring, wv_ring f16 [D, C, KV] (keys post-RoPE, values
+// as rows), row j holding the position sekv_memory::ring_pos[j].
 // The last slot of each table stays zero: a span indexes it in the table it is not stored in.
 struct sekv_layer_tensors {
     ggml_tensor * ek = nullptr, * evt = nullptr, * sk = nullptr, * svt = nullptr;
@@ -58,6 +70,9 @@ struct sekv_layer_tensors {
     ggml_tensor * k_fslot = nullptr, * k_rslot = nullptr, * v_fslot = nullptr, * v_rslot = nullptr;
     ggml_tensor * route_k = nullptr;
     ggml_tensor * pk = nullptr, * pvt = nullptr, * pin_bias = nullptr;
+    ggml_tensor * ring_k = nullptr, * ring_v = nullptr;
+    bool local = false;
+    int32_t window_end = 0;  // a local layer: one past the last position its rows were set for
     int32_t pin_capacity = 0;    // P
     int32_t n_pin_rows = 0;      // pinned rows set now (<= P)
     int32_t n_pinned_spans = 0;  // spans they belong to
@@ -70,6 +85,8 @@ struct sekv_memory {
     sekv_memory_params params{};
     int32_t n_exact = 0;  // valid exact rows (the same in every layer)
     std::vector<int32_t> layer_exact;  // rows set per layer by the import (must agree before decoding)
+    int32_t ring = 0;                  // C: rows of each sliding-window layer's ring (0: the model has none)
+    std::vector<int32_t> ring_pos;     // [C]: the position each ring row holds, -1: empty (the same in every local layer)
 
     ggml_context * device_ctx = nullptr;
     ggml_context * host_ctx = nullptr;
@@ -95,6 +112,12 @@ struct sekv_memory {
 // About what the causal mask of one flash-attention call of a chunk may take. The rows it attends to sit beside
 // it in the same compute buffer, so a chunk at a 25% budget stays within it (test_native.py).
 constexpr int64_t SEKV_BLOCK_BYTES = 1 << 20;
+// About what one of the [n_ff, tokens] activations of a chunk's MLP may take (the MLP runs over blocks of tokens).
+constexpr int64_t SEKV_MLP_BLOCK_BYTES = 1 << 20;
+// Rows a sliding-window layer's ring holds: a chunk of up to window + 1 tokens then overwrites only positions no
+// query of it can see.
+inline int32_t sekv_ring_rows(int32_t window) { return 2 * window; }
+
 // Nodes the graph of T tokens may hold (every layer's ops, a chunk's attention and surprisal in blocks).
 size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T);
 // Most nodes a graph may hold on the multi-backend scheduler (it sizes its tables once).
@@ -107,14 +130,18 @@ struct sekv_zoom_outputs {
     std::vector<ggml_tensor *> passed;
 };
 
-// Tokens per block of a chunk's vocabulary logits (about 2 MiB of them) when its surprisal is computed.
-inline int64_t sekv_nll_block(int64_t n_vocab) { return n_vocab >= (512 << 10) ? 1 : (512 << 10) / n_vocab; }
+// Vocabulary rows per block of a chunk's logits when its surprisal is computed: about 2 MiB of logits for the chunk's
+// n tokens at a time. Blocks of the vocabulary, not of tokens: the output matrix is read once per chunk (blocks of
+// tokens read it once per block, 137 MB a time on Gemma 3's 262K vocabulary).
+inline int64_t sekv_nll_rows(int64_t n) { return std::max<int64_t>(64, (int64_t) (512 << 10) / std::max<int64_t>(n, 1) / 64 * 64); }
 
 // A graph's inputs: token ids i32 [T], positions i32 [T], the causal mask of a chunk's own rows f32
-// [n_rows, 1, T, 1] (nullptr for one token), the surprisal targets i32 [T - 1] ((i - b) * n_vocab + token[i + 1], b the first token of i's block;
-// nullptr when not asked for).
+// [n_rows, 1, T, 1] (nullptr for one token); with sliding-window layers, the ring rows the tokens are written to
+// i32 [T] and which ring rows each token sees f32 [C, 1, T, 1] (0 / -inf); the surprisal targets token[i + 1]
+// i32 [T - 1] (nullptr when not asked for).
 struct sekv_graph_inputs {
     ggml_tensor * tokens = nullptr, * pos = nullptr, * causal = nullptr, * nll_index = nullptr;
+    ggml_tensor * ring_slots = nullptr, * window_mask = nullptr;
 };
 
 // The graph of T tokens (a decode step: T = 1; a prefill chunk otherwise): outputs "logits" (the last token's)

@@ -5,7 +5,8 @@
 #include <cmath>
 #include <cstring>
 
-static bool check_params(const sekv_memory_params & p, const sekv_model_info & info) {
+static bool check_params(const sekv_memory_params & p, const sekv_model & model) {
+    const sekv_model_info & info = model.info;
     if (p.exact_capacity < 1 || p.n_spans < 0 || p.span_rows < 1 || p.rank < 1 || p.zoom_k < 0 ||
         p.n_spans < 0) {
         sekv_set_error("sekv_memory_params: need exact_capacity >= 1, span_rows >= 1, rank >= 1, zoom_k >= 0, n_spans >= 0");
@@ -18,8 +19,17 @@ static bool check_params(const sekv_memory_params & p, const sekv_model_info & i
         }
     }
     for (int32_t i = 0; i < 2 * info.n_layer; ++i) {
-        if (p.n_factored == nullptr || p.n_raw == nullptr || p.n_factored[i] < 0 || p.n_raw[i] < 0 ||
-            p.n_factored[i] + p.n_raw[i] != p.n_spans) {
+        if (p.n_factored == nullptr || p.n_raw == nullptr || p.n_factored[i] < 0 || p.n_raw[i] < 0) {
+            sekv_set_error("sekv_memory_params: n_factored and n_raw are needed, >= 0");
+            return false;
+        }
+        if (model.local[i / 2]) {
+            if (p.n_factored[i] + p.n_raw[i] != 0 || (p.n_pinned != nullptr && p.n_pinned[i / 2] != 0)) {
+                sekv_set_error("sekv_memory_params: layer " + std::to_string(i / 2) + " is a sliding-window layer: "
+                               "it stores no spans and no pins");
+                return false;
+            }
+        } else if (p.n_factored[i] + p.n_raw[i] != p.n_spans) {
             sekv_set_error("sekv_memory_params: every layer's keys and values store each span once "
                            "(n_factored + n_raw == n_spans)");
             return false;
@@ -38,11 +48,11 @@ static bool check_params(const sekv_memory_params & p, const sekv_model_info & i
 
 sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * params) {
     const sekv_model_info & info = model->info;
-    if (!check_params(*params, info)) {
+    if (!check_params(*params, *model)) {
         return nullptr;
     }
-    if (params->router != 0 && params->router != 1) {
-        sekv_set_error("sekv_memory_params: router must be 0 (training-free) or 1 (learned)");
+    if (params->router < 0 || params->router > 2) {
+        sekv_set_error("sekv_memory_params: router must be 0 (training-free), 1 (learned) or 2 (union of both)");
         return nullptr;
     }
     if (params->router && model->router_dim == 0) {
@@ -63,8 +73,16 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     mem->device_ctx = ggml_init(ip);
     mem->host_ctx = ggml_init(ip);
     mem->layers.resize(L);
+    mem->ring = info.sliding_window > 0 ? sekv_ring_rows(info.sliding_window) : 0;
+    mem->ring_pos.assign((size_t) mem->ring, -1);
     for (int64_t il = 0; il < L; ++il) {
         auto & t = mem->layers[il];
+        if (model->local[il]) {  // its window exactly, nothing else
+            t.local = true;
+            t.ring_k = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, D, mem->ring, KV);
+            t.ring_v = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, D, mem->ring, KV);
+            continue;
+        }
         for (int kv = 0; kv < 2; ++kv) {
             t.n_factored[kv] = params->n_factored[2 * il + kv];
             t.n_raw[kv] = params->n_raw[2 * il + kv];
@@ -124,6 +142,9 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     mem->layer_exact.assign(L, 0);
     mem->layer_spans_set.assign(L, params->n_spans == 0);
     mem->layer_routing_set.assign(L, params->n_spans == 0 || !params->router);
+    for (int64_t il = 0; il < L; ++il) {
+        if (model->local[il]) mem->layer_spans_set[il] = mem->layer_routing_set[il] = true;
+    }
     mem->last_zoom.assign(L, {});
     mem->last_zoom_k.assign(L, 0);
     if (model->gpu != nullptr || params->scheduler) {
@@ -152,9 +173,15 @@ void sekv_memory_free(sekv_memory * mem) {
     delete mem;
 }
 
-static bool check_layer(const sekv_memory * mem, int32_t layer) {
+// a layer index in range, of the kind the call needs (a global layer's spans and exact rows, a local layer's window)
+static bool check_layer(const sekv_memory * mem, int32_t layer, bool local = false) {
     if (layer < 0 || layer >= mem->model->info.n_layer) {
         sekv_set_error("layer index out of range");
+        return false;
+    }
+    if (mem->layers[layer].local != local) {
+        sekv_set_error("layer " + std::to_string(layer) + (local ? " is not a sliding-window layer"
+                                                                 : " is a sliding-window layer (it holds a window)"));
         return false;
     }
     return true;
@@ -337,6 +364,50 @@ int sekv_memory_get_exact(const sekv_memory * mem, int32_t layer, int32_t first,
     return 0;
 }
 
+int sekv_memory_set_window(sekv_memory * mem, int32_t layer, int32_t position, int32_t n_rows, const uint16_t * k,
+                           const uint16_t * v) {
+    if (!check_layer(mem, layer, true)) return -1;
+    const int32_t window = mem->model->info.sliding_window;
+    if (position < 0 || n_rows < 0 || n_rows > window) {
+        sekv_set_error("window rows: need position >= 0 and 0 <= n_rows <= sliding_window");
+        return -1;
+    }
+    const int64_t KV = mem->model->info.n_head_kv, D = mem->model->info.head_dim, C = mem->ring;
+    auto & t = mem->layers[layer];
+    for (int32_t i = 0; i < n_rows; ++i) {
+        const int64_t row = (position + i) % C;
+        for (int64_t h = 0; h < KV; ++h) {
+            const size_t at = (size_t) (h * t.ring_k->nb[2] + row * t.ring_k->nb[1]), bytes = (size_t) D * 2;
+            ggml_backend_tensor_set(t.ring_k, k + (h * n_rows + i) * D, at, bytes);
+            ggml_backend_tensor_set(t.ring_v, v + (h * n_rows + i) * D, at, bytes);
+        }
+    }
+    std::fill(mem->ring_pos.begin(), mem->ring_pos.end(), -1);
+    for (int32_t i = 0; i < n_rows; ++i) mem->ring_pos[(size_t) ((position + i) % C)] = position + i;
+    t.window_end = position + n_rows;
+    return 0;
+}
+
+int sekv_memory_get_window(const sekv_memory * mem, int32_t layer, int32_t position, int32_t n, uint16_t * k,
+                           uint16_t * v) {
+    if (!check_layer(mem, layer, true)) return -1;
+    const int64_t KV = mem->model->info.n_head_kv, D = mem->model->info.head_dim, C = mem->ring;
+    const auto & t = mem->layers[layer];
+    for (int32_t i = 0; i < n; ++i) {
+        const int64_t row = (position + i) % C;
+        if (position < 0 || mem->ring_pos[(size_t) row] != position + i) {
+            sekv_set_error("window rows out of range: the ring no longer (or never) held them");
+            return -1;
+        }
+        for (int64_t h = 0; h < KV; ++h) {
+            const size_t at = (size_t) (h * t.ring_k->nb[2] + row * t.ring_k->nb[1]), bytes = (size_t) D * 2;
+            ggml_backend_tensor_get(t.ring_k, k + (h * n + i) * D, at, bytes);
+            ggml_backend_tensor_get(t.ring_v, v + (h * n + i) * D, at, bytes);
+        }
+    }
+    return 0;
+}
+
 int32_t sekv_memory_n_exact(const sekv_memory * mem) { return mem->n_exact; }
 
 int sekv_memory_bytes(const sekv_memory * mem, uint64_t * device, uint64_t * host, uint64_t * compute) {
@@ -358,7 +429,10 @@ int sekv_memory_bytes(const sekv_memory * mem, uint64_t * device, uint64_t * hos
 }
 
 int32_t sekv_memory_last_zoom(const sekv_memory * mem, int32_t layer, int32_t * spans) {
-    if (!check_layer(mem, layer)) return -1;
+    if (layer < 0 || layer >= mem->model->info.n_layer) {
+        sekv_set_error("layer index out of range");
+        return -1;
+    }
     const auto & z = mem->last_zoom[layer];
     std::copy(z.begin(), z.end(), spans);
     return z.empty() ? 0 : mem->last_zoom_k[layer];

@@ -4,6 +4,8 @@
 #include "ggml-cpu.h"
 #include "llama-model.h"
 
+#include <algorithm>
+#include <cmath>
 #include <mutex>
 
 static thread_local std::string g_error;
@@ -20,20 +22,43 @@ static void quiet_log(ggml_log_level level, const char * text, void *) {
 
 static const char * unsupported(const llama_model * m) {
     const auto & hp = m->hparams;
-    if (m->arch != LLM_ARCH_LLAMA) {
-        return "only llama-architecture models are supported by the native engine so far";
+    if (m->arch != LLM_ARCH_LLAMA && m->arch != LLM_ARCH_GEMMA3) {
+        return "only llama- and gemma3-architecture models are supported by the native engine so far";
     }
-    if (hp.n_embd_head_k() != hp.n_embd_head_v() || hp.n_rot() != hp.n_embd_head_k()) {
-        return "models whose RoPE does not cover the whole head are not supported";
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        if (hp.n_embd_head_k() != hp.n_embd_head_v() || hp.n_rot(il) != hp.n_embd_head_k()) {
+            return "models whose RoPE does not cover the whole head are not supported";
+        }
     }
     if (hp.rope_scaling_type_train == LLAMA_ROPE_SCALING_TYPE_YARN ||
         hp.rope_scaling_type_train == LLAMA_ROPE_SCALING_TYPE_LONGROPE) {
         return "YaRN / LongRoPE scaled models are not supported";
     }
-    if (hp.n_expert > 0 || hp.use_kq_norm) {
+    if (m->arch == LLM_ARCH_LLAMA && (hp.n_expert > 0 || hp.use_kq_norm)) {
         return "mixture-of-experts and QK-norm llama variants are not supported";
     }
+    if (hp.swa_type != LLAMA_SWA_TYPE_NONE && hp.swa_type != LLAMA_SWA_TYPE_STANDARD) {
+        return "only standard sliding windows are supported";
+    }
     return nullptr;
+}
+
+// What the graph builder needs beyond llama's block: Gemma 3's scales and norms, and its sliding-window layers.
+static void read_layer_shape(sekv_model * m, const llama_model * lm) {
+    const auto & hp = lm->hparams;
+    const bool gemma = lm->arch == LLM_ARCH_GEMMA3;
+    m->embed_scale = gemma ? std::sqrt((float) hp.n_embd) : 1.0f;
+    m->q_scale = hp.f_attention_scale != 0.0f ? hp.f_attention_scale : 1.0f / std::sqrt((float) hp.n_embd_head_k());
+    m->logit_softcap = gemma ? hp.f_final_logit_softcapping : 0.0f;
+    m->gelu = gemma;
+    m->local.assign(hp.n_layer(), 0);
+    for (uint32_t il = 0; il < hp.n_layer(); ++il) {
+        m->local[il] = hp.swa_type == LLAMA_SWA_TYPE_STANDARD && hp.is_swa(il) ? 1 : 0;
+    }
+    const bool any_local = std::find(m->local.begin(), m->local.end(), 1) != m->local.end();
+    m->info.sliding_window = any_local ? (int32_t) hp.n_swa : 0;
+    m->rope_base_swa = hp.rope_freq_base_train_swa;
+    m->rope_scale_swa = hp.rope_freq_scale_train_swa;
 }
 
 sekv_model * sekv_model_load(const char * path, int32_t n_threads) { return sekv_model_load_on(path, n_threads, 0); }
@@ -98,6 +123,7 @@ sekv_model * sekv_model_load_on(const char * path, int32_t n_threads, int32_t gp
     m->beta_fast = hp.yarn_beta_fast;
     m->beta_slow = hp.yarn_beta_slow;
     m->norm_eps = hp.f_norm_rms_eps;
+    read_layer_shape(m, lm);
     if (!sekv_router_from_gguf(m, path)) {
         sekv_model_free(m);
         return nullptr;
@@ -119,3 +145,8 @@ void sekv_model_free(sekv_model * model) {
 void sekv_model_get_info(const sekv_model * model, sekv_model_info * out) { *out = model->info; }
 
 int32_t sekv_model_on_gpu(const sekv_model * model) { return model->gpu != nullptr ? 1 : 0; }
+
+int32_t sekv_model_layer_is_local(const sekv_model * model, int32_t layer) {
+    if (layer < 0 || layer >= model->info.n_layer) return -1;
+    return model->local[layer];
+}

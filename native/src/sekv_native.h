@@ -34,6 +34,7 @@ typedef struct sekv_model_info {
     int32_t n_embd;
     int32_t n_vocab;
     int32_t n_ctx_train;
+    int32_t sliding_window; /* keys a sliding-window (local) layer's query sees, itself included; 0: no such layers */
 } sekv_model_info;
 
 typedef struct sekv_memory_params {
@@ -43,14 +44,17 @@ typedef struct sekv_memory_params {
     int32_t rank;           /* R: factor columns of a factored span (the largest stored rank) */
     int32_t zoom_k;         /* spans rebuilt per layer and KV head per step (hard top-k) */
     float summary_bias;     /* multiplier of +log|S| on unexpanded spans' summary rows (0 = leave them out) */
-    const int32_t * n_factored; /* [n_layer][2]: spans each layer stores as SVD factors, keys then values */
+    const int32_t * n_factored; /* [n_layer][2]: spans each layer stores as SVD factors, keys then values
+                                   (0 for a sliding-window layer: it keeps its window exactly, no spans) */
     const int32_t * n_raw;      /* [n_layer][2]: spans stored raw (factors would not be smaller than the span) */
     int32_t scheduler;          /* 1: run steps through ggml's multi-backend scheduler even on a CPU-only model
                                    (the path a GPU model always takes; lets CPU tests cover it) */
     int32_t router;             /* 0: route by each span's coarse attention logit + log|S| (training-free);
                                    1: the model's learned router (sekv_model_set_router or the GGUF's sekv.*):
                                    sigmoid(q'.k'/sqrt(d') + log|S|) against per-head thresholds, then top-k;
-                                   needs each layer's routing keys (sekv_memory_set_layer_routing) */
+                                   needs each layer's routing keys (sekv_memory_set_layer_routing);
+                                   2: the union: the first ceil(k/2) spans by the training-free rule, the rest
+                                   by the learned router among the others */
     const int32_t * n_pinned;   /* [n_layer]: room for pinned rows per layer (question-time selection; see
                                    sekv_memory_set_layer_pins), or nullptr: no pins */
 } sekv_memory_params;
@@ -65,6 +69,11 @@ SEKV_API sekv_model * sekv_model_load_on(const char * path, int32_t n_threads, i
 SEKV_API int32_t sekv_model_on_gpu(const sekv_model * model);
 SEKV_API void sekv_model_free(sekv_model * model);
 SEKV_API void sekv_model_get_info(const sekv_model * model, sekv_model_info * out);
+/* 1 when `layer` is a sliding-window layer (Gemma 3's local layers), 0 when global, -1 out of range. A memory
+ * keeps a local layer's last sliding_window positions exactly, in a ring of 2 * sliding_window rows (a chunk may
+ * add up to sliding_window + 1 rows without overwriting what its own first token still sees); SeKV's spans,
+ * pins and routing are the global layers' only. */
+SEKV_API int32_t sekv_model_layer_is_local(const sekv_model * model, int32_t layer);
 
 /* SeKV's learned router. Loading a GGUF that carries one (sekv.* metadata, written by the converter) reads
  * it; a malformed one fails the load. routing_dim d'; q_proj float [n_layer][D][d'] maps a pre-RoPE query
@@ -125,6 +134,14 @@ SEKV_API int sekv_decode(sekv_memory * memory, int32_t token, int32_t position, 
  * [n, n_vocab] buffer (nullptr: not computed); logits float [n_vocab]: the last token's. */
 SEKV_API int sekv_prefill(sekv_memory * memory, const int32_t * tokens, int32_t n, int32_t position, float * nll,
                           float * logits);
+
+/* A sliding-window layer's rows for positions [position, position + n_rows): k, v [KV][n_rows][D], k post-RoPE.
+ * n_rows <= sliding_window; every local layer must get the same positions before a step. */
+SEKV_API int sekv_memory_set_window(sekv_memory * memory, int32_t layer, int32_t position, int32_t n_rows,
+                                    const uint16_t * k, const uint16_t * v);
+/* A sliding-window layer's rows for positions [position, position + n) while its ring still holds them. */
+SEKV_API int sekv_memory_get_window(const sekv_memory * memory, int32_t layer, int32_t position, int32_t n,
+                                    uint16_t * k, uint16_t * v);
 
 /* Exact rows [first, first + n) of one layer: k, v [KV][n][D] (k post-RoPE at each token's own position). */
 SEKV_API int sekv_memory_get_exact(const sekv_memory * memory, int32_t layer, int32_t first, int32_t n, uint16_t * k,

@@ -118,6 +118,14 @@ class MixedLayers(CachePolicy):
         store.evict()
         return out
 
+    def add_window_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A chunk's rows of a local layer computed elsewhere (the native engine's prefill): k post-RoPE, v
+        [KV, T, D], appended as `attend` appends its own."""
+        store = self.windows[layer]
+        store.append(k, v)
+        self._window_peak = max(self._window_peak, self._windows_now())
+        store.evict()
+
     def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
         self.inner.end_chunk(logits, token_ids)
         self.n_tokens = self.inner.n_tokens

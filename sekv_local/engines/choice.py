@@ -1,7 +1,7 @@
 """`--engine auto`: the llama.cpp engine where it runs the method and model, the torch engine otherwise.
 
 The llama.cpp engine (native SeKV decode in llama.cpp's kernels) is the fast path; it runs method `sekv`
-on llama-architecture models with a built native library. Anything else runs in the torch engine, and
+on llama- and gemma3-architecture models with a built native library. Anything else runs in the torch engine, and
 the user is told why in one line (engine notices), so the slower path is never taken silently.
 """
 
@@ -17,7 +17,7 @@ AUTO = "auto"
 #: methods the llama.cpp engine runs
 NATIVE_METHODS = ("sekv",)
 #: GGUF architectures the native graph builds
-NATIVE_ARCHITECTURES = ("llama",)
+NATIVE_ARCHITECTURES = ("llama", "gemma3")
 
 
 @dataclass(frozen=True)

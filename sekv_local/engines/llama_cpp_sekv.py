@@ -6,8 +6,8 @@ torch SeKV memory does the bookkeeping on the host (segmentation, span factors, 
 and the next chunk's native memory is made from it. A question's chunk (select=question: an exact pass over
 every span that chooses the answer's pins) is still read by the torch engine. Every generated token is
 decoded natively. Tokens decoded natively are fed back to the torch memory before its next prefill (or when
-the native exact rows are full), so both hold the same conversation. `prefill=torch` (the default until a
-chunk's compute buffer is bounded by the device budget) reads everything with the torch engine.
+the native exact rows are full), so both hold the same conversation. `prefill=torch` reads everything with the
+torch engine; the default (`auto`) reads natively where that was measured faster (Gemma 3), with torch otherwise.
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ DECODE_ROOM = 256
 # step reads only the zoomed rows) or "factors" (the SVD factors; each step rebuilds the zoomed spans).
 # On a CPU the per-step rebuild dominates decode time (measured: docs/RESULTS.md), so "rows" is the default.
 HOST_FORMS = ("rows", "factors")
-#: who reads the document's chunks: the native graph (the torch memory only keeps the books) or the torch engine
-PREFILLS = ("native", "torch")
+#: who reads the document's chunks: the native graph (the torch memory only keeps the books) or the torch engine;
+#: "auto" picks by architecture
+PREFILLS = ("auto", "native", "torch")
+#: where "auto" reads natively: measured faster there (docs/RESULTS.md, `sekv-local speed`): Gemma 3 at 8K, 122
+#: against 37 tok/s; SmolLM2 at 7.7K reads faster in the torch engine (111 against 84 tok/s)
+NATIVE_PREFILL_ARCHITECTURES = ("gemma3",)
 
 
 @lru_cache(maxsize=2)
@@ -61,22 +65,41 @@ class LlamaCppSekvEngine(Engine):
         self.host_form = method_options.pop("host", "rows")
         if self.host_form not in HOST_FORMS:
             raise SekvError(f"engine 'llama.cpp': host must be one of {', '.join(HOST_FORMS)}, got {self.host_form!r}")
-        self.prefill = method_options.pop("prefill", "torch")
+        self.prefill = method_options.pop("prefill", "auto")
         if self.prefill not in PREFILLS:
             raise SekvError(f"engine 'llama.cpp': prefill must be one of {', '.join(PREFILLS)}, got {self.prefill!r}")
         options = dataclasses.replace(options, method_options=method_options)
         self.reference = TorchEngine(gguf_path, tokenizer, options)
         super().__init__(self.reference.config, tokenizer, options)
+        if self.prefill == "auto":
+            self.prefill = "native" if self.config.architecture in NATIVE_PREFILL_ARCHITECTURES else "torch"
         why = supported(self.reference.cache)
         if why is not None:
             raise SekvError(f"engine 'llama.cpp' does not support {why} yet; use --engine torch")
         self.notices = self.reference.notices
+        # a torch chunk of a model with sliding windows holds at most a window (the windows' rule)
+        self.window_chunk = self.config.sliding_window or DECODE_ROOM * 1024
         # the native side follows the device the torch side prefills on ("auto" picks CUDA when torch sees it)
         on_gpu = torch.device(self.reference.device).type == "cuda"
         self.native_model = load_native_model(str(gguf_path), options.threads or os.cpu_count() or 1, on_gpu)
         self.native: Any = None  # NativeMemory, built from the torch memory when decoding starts
         self.pending: list[int] = []  # decoded natively, not yet in the torch memory
         self._native_peak = 0
+
+    @property
+    def sekv(self) -> Any:
+        """The torch engine's SeKV memory (on a model with sliding windows, the global layers' beside the windows;
+        the torch engine makes a new one on reset)."""
+        from ..native.memory_export import sekv_of
+
+        return sekv_of(self.reference.cache)[0]
+
+    @property
+    def sekv_layers(self) -> list[int]:
+        """The model layer of each of SeKV's layers."""
+        from ..native.memory_export import sekv_of
+
+        return sekv_of(self.reference.cache)[1]
 
     # -- keeping the two memories in step ---------------------------------------------------------
     def _fold_back(self) -> None:
@@ -92,10 +115,9 @@ class LlamaCppSekvEngine(Engine):
     def _replay(self, tokens: list[int]) -> np.ndarray:
         """Feed natively decoded tokens to the torch memory from reference.n_tokens on, in pieces that keep
         its device tier where the decode steps kept it; the last piece's logits."""
-        cache = self.reference.cache
-        with cache.replaying():
+        with self.sekv.replaying():
             while tokens:
-                n = cache.replay_chunk_tokens()
+                n = min(self.sekv.replay_chunk_tokens(), self.window_chunk)
                 piece, tokens = tokens[:n], tokens[n:]
                 logits = self.reference._forward(piece, prefill=True)
                 self.reference.n_tokens += len(piece)
@@ -110,7 +132,8 @@ class LlamaCppSekvEngine(Engine):
         from ..native.memory_export import native_memory
 
         cache = self.reference.cache
-        room = min(DECODE_ROOM, cache.chunk_tokens)  # folding back the room's tokens is one torch chunk
+        # folding back the room's tokens is one torch chunk
+        room = min(DECODE_ROOM, self.sekv.chunk_tokens, self.window_chunk)
         self.native = native_memory(self.native_model, cache, room, decompress=self.host_form == "rows")
         self.native_capacity = self.native.n_exact + room
 
@@ -139,8 +162,8 @@ class LlamaCppSekvEngine(Engine):
 
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
         """One prefill chunk at reference.n_tokens: read natively unless it is a question's (or prefill=torch)."""
-        ref, cache = self.reference, self.reference.cache
-        if self.prefill == "torch" or cache.is_question_chunk(is_prefill=True):
+        ref, cache, sekv = self.reference, self.reference.cache, self.sekv
+        if self.prefill == "torch" or sekv.is_question_chunk(is_prefill=True):
             return ref._forward(tokens, prefill=True)
         from ..models.transformer import ChunkScores
         from ..native.memory_export import native_memory
@@ -149,14 +172,17 @@ class LlamaCppSekvEngine(Engine):
         # the memory as the torch books hold it now, with room for the chunk's rows; its zoom pool is the chunk's.
         # Spans as factors: a 255-token chunk at 4K took 3.2 s rebuilding them in the graph, 4.0 s reading raw
         # rows (one mat-vec per query row and span)
-        memory = native_memory(self.native_model, cache, len(tokens) + 1, zoom_k=cache._step_zoom_k)
+        memory = native_memory(self.native_model, cache, len(tokens) + 1, zoom_k=sekv._step_zoom_k)
         try:
             first = memory.n_exact
             nll, logits = memory.prefill(tokens, ref.n_tokens)
-            for i, layer in enumerate(cache.layers):
+            for layer, i in zip(sekv.layers, self.sekv_layers):
                 k, v = memory.get_exact(i, first, len(tokens))
                 layer.pend_k.append(torch.from_numpy(k).to(ref.device))
                 layer.pend_v.append(torch.from_numpy(v).to(ref.device))
+            for i in self.native_model.local_layers:
+                k, v = memory.get_window(i, ref.n_tokens, len(tokens))
+                cache.add_window_rows(i, torch.from_numpy(k).to(ref.device), torch.from_numpy(v).to(ref.device))
             self._record_zoom(memory, decode_step=False)
         finally:
             memory.close()
@@ -170,12 +196,12 @@ class LlamaCppSekvEngine(Engine):
         choices into the torch memory's observations (the document map), the host bytes they read into its
         host-read count, and its device tier plus compute buffer into the native peak."""
         memory = self.native if memory is None else memory
-        cache = self.reference.cache
+        cache = self.sekv
         reads = 0
-        for layer in range(self.config.n_layers):
+        for j, layer in enumerate(self.sekv_layers):  # j: the layer as SeKV numbers it
             chosen = memory.last_zoom(layer)
             if chosen.size:
-                cache._zoom_events.append((layer, torch.from_numpy(chosen.astype(np.int64))))
+                cache._zoom_events.append((j, torch.from_numpy(chosen.astype(np.int64))))
                 reads += int(memory.span_read_bytes[layer][chosen[chosen >= 0]].sum())
         if decode_step:
             cache.host_reads.steps += 1

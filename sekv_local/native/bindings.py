@@ -19,7 +19,7 @@ _c_int, _c_float, _p = ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 class ModelInfo(ctypes.Structure):
     _fields_ = [(name, _c_int) for name in
-                ("n_layer", "n_head", "n_head_kv", "head_dim", "n_embd", "n_vocab", "n_ctx_train")]
+                ("n_layer", "n_head", "n_head_kv", "head_dim", "n_embd", "n_vocab", "n_ctx_train", "sliding_window")]
 
 
 class MemoryParams(ctypes.Structure):
@@ -40,6 +40,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
                                         ctypes.POINTER(ctypes.c_double)]),
     "sekv_model_free": (None, [_p]),
     "sekv_model_get_info": (None, [_p, ctypes.POINTER(ModelInfo)]),
+    "sekv_model_layer_is_local": (_c_int, [_p, _c_int]),
+    "sekv_memory_set_window": (ctypes.c_int, [_p, _c_int, _c_int, _c_int, _p, _p]),
+    "sekv_memory_get_window": (ctypes.c_int, [_p, _c_int, _c_int, _c_int, _p, _p]),
     "sekv_model_set_router": (ctypes.c_int, [_p, _c_int, _p, _p]),
     "sekv_model_router_dim": (_c_int, [_p]),
     "sekv_model_get_router": (ctypes.c_int, [_p, _p, _p]),
@@ -132,6 +135,8 @@ class NativeModel(_Handle):
         self.lib.sekv_model_get_info(self.handle, ctypes.byref(info))
         self.info = info
         self.on_gpu = bool(self.lib.sekv_model_on_gpu(self.handle))
+        #: sliding-window layers (they keep their window exactly; SeKV runs on the others)
+        self.local_layers = tuple(i for i in range(info.n_layer) if self.lib.sekv_model_layer_is_local(self.handle, i))
 
     @property
     def router_dim(self) -> int:
@@ -198,10 +203,12 @@ class NativeMemory(_Handle):
 
     def __init__(self, model: NativeModel, exact_capacity: int, n_spans: int, span_rows: int, rank: int,
                  zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray,
-                 scheduler: bool = False, learned_router: bool = False, pin_rows: np.ndarray | None = None) -> None:
+                 scheduler: bool = False, learned_router: bool = False, pin_rows: np.ndarray | None = None,
+                 union: bool = False) -> None:
         """n_factored, n_raw [n_layer, 2]: spans each layer stores as factors / raw, keys then values.
         scheduler: step through ggml's multi-backend scheduler even on the CPU (a GPU model always does).
-        learned_router: route with the model's learned router (set each layer's routing keys too).
+        learned_router: route with the model's learned router (set each layer's routing keys too); with union, only
+        the second half of each pool (the first by the training-free rule).
         pin_rows [n_layer]: room for each layer's pinned rows (question-time selection), None: no pins."""
         self.model = model
         self.lib = model.lib
@@ -212,7 +219,8 @@ class NativeMemory(_Handle):
         if self._pin_rows is not None and self._pin_rows.size != model.info.n_layer:
             raise SekvError("native engine: pin_rows needs one count per layer")
         params = MemoryParams(exact_capacity, n_spans, span_rows, rank, zoom_k, summary_bias,
-                              _ptr(counts[0]), _ptr(counts[1]), int(scheduler), int(learned_router),
+                              _ptr(counts[0]), _ptr(counts[1]), int(scheduler),
+                              2 if learned_router and union else int(learned_router),
                               None if self._pin_rows is None else _ptr(self._pin_rows))
         self.handle = self.lib.sekv_memory_create(model.handle, ctypes.byref(params))
         if not self.handle:
@@ -284,6 +292,21 @@ class NativeMemory(_Handle):
         v = np.empty_like(k)
         _check(self.lib, self.lib.sekv_memory_get_exact(self.handle, layer, int(first), int(n), _ptr(k), _ptr(v)),
                "get_exact")
+        return k, v
+
+    def set_window(self, layer: int, position: int, k: np.ndarray, v: np.ndarray) -> None:
+        """A sliding-window layer's rows for positions [position, position + n): k, v [KV, n, D] (k post-RoPE)."""
+        k, v = _half(k), _half(v)
+        _check(self.lib, self.lib.sekv_memory_set_window(self.handle, layer, int(position), k.shape[1], _ptr(k),
+                                                         _ptr(v)), "set_window")
+
+    def get_window(self, layer: int, position: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """A sliding-window layer's rows for positions [position, position + n): k, v float16 [KV, n, D]."""
+        info = self.model.info
+        k = np.empty((info.n_head_kv, n, info.head_dim), dtype=np.float16)
+        v = np.empty_like(k)
+        _check(self.lib, self.lib.sekv_memory_get_window(self.handle, layer, int(position), int(n), _ptr(k), _ptr(v)),
+               "get_window")
         return k, v
 
     @property

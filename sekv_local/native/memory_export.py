@@ -13,6 +13,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..cache.base import CachePolicy
+from ..cache.mixed_layers import MixedLayers
 from ..errors import SekvError
 from .bindings import NativeMemory, NativeModel, StoreRows
 from ..sekv.factors import FactorStore
@@ -57,12 +59,25 @@ class MemoryExport:
         return len(self.span_len) - raw, raw
 
 
-def supported(cache: SekvCache) -> str | None:
+def sekv_of(cache: CachePolicy) -> tuple[SekvCache, list[int]]:
+    """The SeKV memory behind `cache` and the model layer each of its layers is (on a model with sliding-window
+    layers SeKV holds the global ones; the windows stay beside it)."""
+    if isinstance(cache, MixedLayers):
+        return cache.inner, list(cache.global_layers)
+    return cache, list(range(cache.config.n_layers))
+
+
+def supported(cache: CachePolicy) -> str | None:
     """Why the native engine cannot run this memory (None: it can)."""
+    if isinstance(cache, MixedLayers):
+        cache = cache.inner
+    if not isinstance(cache, SekvCache):
+        return f"method '{cache.name}'"
     if cache.cfg.share_layers != 1:
         return "span factors shared across layers (sekv+xkv)"
-    if cache.router_kind not in ("attention", "projection"):
-        return f"the '{cache.router_kind}' router (the native graph routes with the 'attention' rule or the learned one)"
+    if cache.router_kind not in ("attention", "projection", "union"):
+        return f"the '{cache.router_kind}' router (the native graph routes with the 'attention' rule, the learned " \
+               f"one or their union)"
     if cache.cfg.positions != "original" or cache._shift:
         return "the 'bounded' position strategy"
     if cache.cfg.dtype != "f16":
@@ -158,7 +173,7 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
         shape = (positions.shape[0], 1, positions.shape[1], cos.shape[-1])
         return cache.rope.apply(x, positions, (cos.view(shape), sin.view(shape))).cpu()
 
-    learned = cache.router_kind == "projection"
+    learned = cache.router_kind in ("projection", "union")
     out = []
     for layer_no, layer in enumerate(cache.layers):
         exact_k = torch.cat([layer.exact_k.view(), layer.pend_k.view()], dim=1)
@@ -184,35 +199,57 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
                         rows, rank, out, router)
 
 
-def native_memory(model: NativeModel, cache: SekvCache, room: int, decompress: bool = False,
+def native_memory(model: NativeModel, cache: CachePolicy, room: int, decompress: bool = False,
                   scheduler: bool = False, zoom_k: int | None = None) -> NativeMemory:
-    """A native memory holding `cache` with `room` exact rows free for decoding (or prefill chunks); its steps
-    zoom `zoom_k` spans (default: the cache's decode pool). With the learned router,
-    the model routes with the cache's router parameters: the ones it read from its GGUF when they are the
-    same, else they are set from here (a packaged or freshly trained router)."""
-    exported = export_memory(cache, decompress=decompress)
-    factored, raw = exported.store_counts()
+    """A native memory holding `cache` (SeKV, or SeKV on the global layers beside sliding windows) with `room`
+    exact rows free for decoding (or prefill chunks); its steps zoom `zoom_k` spans (default: the cache's decode
+    pool). With the learned router, the model routes with the cache's router parameters: the ones it read from
+    its GGUF when they are the same, else they are set from here (a packaged or freshly trained router)."""
+    sekv, model_layers = sekv_of(cache)
+    if sorted(set(range(model.info.n_layer)) - set(model_layers)) != sorted(model.local_layers):
+        raise SekvError(f"native engine: the torch memory keeps SeKV on layers {model_layers}, the model's global "
+                        f"layers are the others than {list(model.local_layers)}")
+    exported = export_memory(sekv, decompress=decompress)
+    L = model.info.n_layer
+    at = np.array(model_layers)
+
+    def per_model_layer(values: np.ndarray, fill: float = 0) -> np.ndarray:
+        """[n_sekv_layers, ...] -> [n_layer, ...], `fill` at the sliding-window layers"""
+        out = np.full((L, *values.shape[1:]), fill, dtype=values.dtype)
+        out[at] = values
+        return out
+
+    factored, raw = (per_model_layer(c) for c in exported.store_counts())
+    pin_rows = exported.pin_rows()
     S = len(exported.span_len)
     if exported.router is not None:
+        router = tuple(per_model_layer(a) for a in exported.router)
         have = model.router()
-        if have is None or any(a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(have, exported.router)):
-            model.set_router(*exported.router)
+        if have is None or any(a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(have, router)):
+            model.set_router(*router)
     memory = NativeMemory(model, exported.n_exact + room, S, exported.span_rows, exported.rank,
-                          (cache.decode_zoom_k() if zoom_k is None else zoom_k) if S else 0, cache.cfg.summary_bias,
+                          (sekv.decode_zoom_k() if zoom_k is None else zoom_k) if S else 0, sekv.cfg.summary_bias,
                           factored, raw,
                           scheduler=scheduler, learned_router=exported.router is not None,
-                          pin_rows=exported.pin_rows())
+                          union=sekv.router_kind == "union",
+                          pin_rows=None if pin_rows is None else per_model_layer(pin_rows))
     try:
         memory.set_spans(exported.span_start, exported.span_len)
-        for i, layer in enumerate(exported.layers):
+        for i, layer in zip(model_layers, exported.layers):
             memory.set_exact(i, layer.exact_k, layer.exact_v)
             memory.set_layer_spans(i, layer.sum_k, layer.sum_v, layer.keys, layer.values)
             if layer.route_k is not None:
                 memory.set_layer_routing(i, layer.route_k)
             if layer.pins is not None:
                 memory.set_layer_pins(i, *layer.pins)
+        if isinstance(cache, MixedLayers):
+            # what the next token's window holds: the last window - 1 positions
+            keep = model.info.sliding_window - 1
+            for i, window in cache.windows.items():
+                k, v = window.keys()[:, -keep:], window.values()[:, -keep:]
+                memory.set_window(i, window.start + window.length - k.shape[1], k.cpu().numpy(), v.cpu().numpy())
     except SekvError:
         memory.close()
         raise
-    memory.span_read_bytes = np.stack([layer.read_bytes for layer in exported.layers]) if S else None
+    memory.span_read_bytes = per_model_layer(np.stack([layer.read_bytes for layer in exported.layers])) if S else None
     return memory
