@@ -6,7 +6,8 @@ torch SeKV memory does the bookkeeping on the host (segmentation, span factors, 
 and the next chunk's native memory is made from it. A question's chunk (select=question: an exact pass over
 every span that chooses the answer's pins) is still read by the torch engine. Every generated token is
 decoded natively. Tokens decoded natively are fed back to the torch memory before its next prefill (or when
-the native exact rows are full), so both hold the same conversation. `prefill=torch` reads everything with the
+the native exact rows are full), so both hold the same conversation: with native prefill as rows the native
+memory computed, otherwise read again by the torch model. `prefill=torch` reads everything with the
 torch engine; the default (`auto`) reads natively where that was measured faster (Gemma 3), with torch otherwise.
 """
 
@@ -39,6 +40,14 @@ PREFILLS = ("auto", "native", "torch")
 #: where "auto" reads natively: measured faster there (docs/RESULTS.md, `sekv-local speed`): Gemma 3 at 8K, 122
 #: against 37 tok/s; SmolLM2 at 7.7K reads faster in the torch engine (111 against 84 tok/s)
 NATIVE_PREFILL_ARCHITECTURES = ("gemma3",)
+
+
+def _surprisal(logits: np.ndarray | None, token: int) -> float:
+    """-log p(token) under logits [vocab] (0 when nothing predicted it)."""
+    if logits is None:
+        return 0.0
+    top = float(logits.max())
+    return float(top + np.log(np.exp(logits - top).sum()) - logits[token])
 
 
 @lru_cache(maxsize=2)
@@ -84,6 +93,8 @@ class LlamaCppSekvEngine(Engine):
         self.native_model = load_native_model(str(gguf_path), options.threads or os.cpu_count() or 1, on_gpu)
         self.native: Any = None  # NativeMemory, built from the torch memory when decoding starts
         self.pending: list[int] = []  # decoded natively, not yet in the torch memory
+        self.pending_nll: list[float] = []  # each pending token's surprisal under the logits that chose it
+        self._native_last: np.ndarray | None = None  # the last native decode step's logits
         self._native_peak = 0
 
     @property
@@ -103,14 +114,52 @@ class LlamaCppSekvEngine(Engine):
 
     # -- keeping the two memories in step ---------------------------------------------------------
     def _fold_back(self) -> None:
-        """Feed the natively decoded tokens to the torch memory (one prefill chunk); the native memory
-        is rebuilt from it at the next decode."""
+        """Feed the natively decoded tokens to the torch memory; the native memory is rebuilt from it at the next
+        decode. With native prefill their rows come from the native memory (no forward pass), as a document's do;
+        otherwise the torch model reads them again (one chunk)."""
         if self.pending:
-            tokens, self.pending = self.pending, []
+            tokens, nll, self.pending, self.pending_nll = self.pending, self.pending_nll, [], []
             self.reference.n_tokens = self.n_tokens - len(tokens)
-            self._replay(tokens)
+            if self.prefill == "native":
+                self._fold_back_rows(tokens, nll)
+            else:
+                self._replay(tokens)
         self.reference.n_tokens = self.n_tokens
         self._drop_native()
+
+    @torch.inference_mode()  # the torch memory's buffers are inference tensors (made under the torch engine's)
+    def _fold_back_rows(self, tokens: list[int], nll: list[float]) -> None:
+        """The pending tokens' rows, read from the native memory that decoded them, into the torch memory from
+        reference.n_tokens on, in the pieces a replay takes; their surprisal from the decode steps' logits."""
+        from ..models.transformer import ChunkScores
+
+        ref, cache, sekv = self.reference, self.reference.cache, self.sekv
+        first_row = self.native.n_exact - len(tokens)
+        with sekv.replaying():
+            done = 0
+            while done < len(tokens):
+                n = min(sekv.replay_chunk_tokens(), self.window_chunk, len(tokens) - done)
+                cache.begin_chunk(torch.arange(ref.n_tokens, ref.n_tokens + n, device=ref.device), is_prefill=True)
+                self._take_rows(self.native, first_row + done, n)
+                # `last` is not read when folding (surprisal comes from nll and first_nll)
+                scores = ChunkScores(torch.from_numpy(self._native_last)[None],
+                                     torch.tensor(nll[done + 1: done + n], dtype=torch.float32), first_nll=nll[done])
+                cache.end_chunk(scores, torch.tensor(tokens[done: done + n], dtype=torch.long))
+                ref.n_tokens += n
+                done += n
+        ref._last_logits = self._native_last
+
+    def _take_rows(self, memory: Any, first_row: int, n: int) -> None:
+        """Rows of n tokens at reference.n_tokens on, computed by `memory` (from its exact row first_row; a
+        sliding-window layer's by position), into the torch memory's pending rows and windows."""
+        ref, cache = self.reference, self.reference.cache
+        for layer, i in zip(self.sekv.layers, self.sekv_layers):
+            k, v = memory.get_exact(i, first_row, n)
+            layer.pend_k.append(torch.from_numpy(k).to(ref.device))
+            layer.pend_v.append(torch.from_numpy(v).to(ref.device))
+        for i in self.native_model.local_layers:
+            k, v = memory.get_window(i, ref.n_tokens, n)
+            cache.add_window_rows(i, torch.from_numpy(k).to(ref.device), torch.from_numpy(v).to(ref.device))
 
     def _replay(self, tokens: list[int]) -> np.ndarray:
         """Feed natively decoded tokens to the torch memory from reference.n_tokens on, in pieces that keep
@@ -142,7 +191,7 @@ class LlamaCppSekvEngine(Engine):
         full = self.native is not None and self.native.n_exact + 1 >= self.native_capacity
         if prefill or len(tokens) != 1 or full:
             if full:  # the pending tokens and this one fit one torch chunk (room <= chunk_tokens)
-                tokens, self.pending = self.pending + tokens, []
+                tokens, self.pending, self.pending_nll = self.pending + tokens, [], []
                 self._drop_native()
             else:
                 self._fold_back()
@@ -155,7 +204,10 @@ class LlamaCppSekvEngine(Engine):
             return logits
         if self.native is None:
             self._import()
+        before = self._native_last if self.pending else self.reference._last_logits
+        self.pending_nll.append(_surprisal(before, tokens[0]))
         logits = self.native.decode(tokens[0], self.n_tokens)
+        self._native_last = logits
         self._record_zoom()
         self.pending.append(tokens[0])
         return logits
@@ -176,13 +228,7 @@ class LlamaCppSekvEngine(Engine):
         try:
             first = memory.n_exact
             nll, logits = memory.prefill(tokens, ref.n_tokens)
-            for layer, i in zip(sekv.layers, self.sekv_layers):
-                k, v = memory.get_exact(i, first, len(tokens))
-                layer.pend_k.append(torch.from_numpy(k).to(ref.device))
-                layer.pend_v.append(torch.from_numpy(v).to(ref.device))
-            for i in self.native_model.local_layers:
-                k, v = memory.get_window(i, ref.n_tokens, len(tokens))
-                cache.add_window_rows(i, torch.from_numpy(k).to(ref.device), torch.from_numpy(v).to(ref.device))
+            self._take_rows(memory, first, len(tokens))
             self._record_zoom(memory, decode_step=False)
         finally:
             memory.close()
@@ -214,7 +260,7 @@ class LlamaCppSekvEngine(Engine):
         self.reference.finish_prefill()
 
     def reset(self) -> None:
-        self.pending = []
+        self.pending, self.pending_nll = [], []
         self._drop_native()
         self.reference.reset()
         self.n_tokens = 0
@@ -226,7 +272,7 @@ class LlamaCppSekvEngine(Engine):
         return (self.n_tokens, self._last_logits, self.reference.mark())
 
     def rollback(self, mark: Any) -> None:
-        self.pending = []
+        self.pending, self.pending_nll = [], []
         self._drop_native()
         self.n_tokens, self._last_logits, ref_mark = mark
         self.reference.rollback(ref_mark)
