@@ -8,7 +8,9 @@
 // engine makes it); their rows are rebuilt from the SVD factors (get_rows + mul_mat), RoPE'd at their
 // original positions; one softmax runs over exact rows, pinned rows (spans a
 // question attended to, kept whole for its answer), summary rows (+log|S|; the zoomed and pinned spans' ones
-// masked) and the rebuilt rows. Pinned spans are never routed.
+// masked) and the rebuilt rows. Pinned spans are never routed. A sliding-window layer (Gemma 3) only writes its
+// rows into its ring and attends to the window there; the layer shape around attention (norms, scales, gate) is
+// read from the model's hyper-parameters.
 //
 // A chunk's T tokens are laid out as G * T query rows per KV head ([D, G, T, KV], query head fastest), so every
 // op that serves one token's G query heads serves the chunk unchanged, and a block of tokens is a slice.

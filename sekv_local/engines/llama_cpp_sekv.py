@@ -86,8 +86,6 @@ class LlamaCppSekvEngine(Engine):
         if why is not None:
             raise SekvError(f"engine 'llama.cpp' does not support {why} yet; use --engine torch")
         self.notices = self.reference.notices
-        # a torch chunk of a model with sliding windows holds at most a window (the windows' rule)
-        self.window_chunk = self.config.sliding_window or DECODE_ROOM * 1024
         # the native side follows the device the torch side prefills on ("auto" picks CUDA when torch sees it)
         on_gpu = torch.device(self.reference.device).type == "cuda"
         self.native_model = load_native_model(str(gguf_path), options.threads or os.cpu_count() or 1, on_gpu)
@@ -111,6 +109,11 @@ class LlamaCppSekvEngine(Engine):
         from ..native.memory_export import sekv_of
 
         return sekv_of(self.reference.cache)[1]
+
+    def _within_window(self, tokens: int) -> int:
+        """A torch chunk of at most `tokens`, and on a model with sliding windows at most a window (their rule)."""
+        window = self.config.sliding_window
+        return min(tokens, window) if window else tokens
 
     # -- keeping the two memories in step ---------------------------------------------------------
     def _fold_back(self) -> None:
@@ -138,7 +141,7 @@ class LlamaCppSekvEngine(Engine):
         with sekv.replaying():
             done = 0
             while done < len(tokens):
-                n = min(sekv.replay_chunk_tokens(), self.window_chunk, len(tokens) - done)
+                n = self._within_window(min(sekv.replay_chunk_tokens(), len(tokens) - done))
                 cache.begin_chunk(torch.arange(ref.n_tokens, ref.n_tokens + n, device=ref.device), is_prefill=True)
                 self._take_rows(self.native, first_row + done, n)
                 # `last` is not read when folding (surprisal comes from nll and first_nll)
@@ -166,7 +169,7 @@ class LlamaCppSekvEngine(Engine):
         its device tier where the decode steps kept it; the last piece's logits."""
         with self.sekv.replaying():
             while tokens:
-                n = min(self.sekv.replay_chunk_tokens(), self.window_chunk)
+                n = self._within_window(self.sekv.replay_chunk_tokens())
                 piece, tokens = tokens[:n], tokens[n:]
                 logits = self.reference._forward(piece, prefill=True)
                 self.reference.n_tokens += len(piece)
@@ -182,7 +185,7 @@ class LlamaCppSekvEngine(Engine):
 
         cache = self.reference.cache
         # folding back the room's tokens is one torch chunk
-        room = min(DECODE_ROOM, self.sekv.chunk_tokens, self.window_chunk)
+        room = self._within_window(min(DECODE_ROOM, self.sekv.chunk_tokens))
         self.native = native_memory(self.native_model, cache, room, decompress=self.host_form == "rows")
         self.native_capacity = self.native.n_exact + room
 
@@ -204,8 +207,9 @@ class LlamaCppSekvEngine(Engine):
             return logits
         if self.native is None:
             self._import()
-        before = self._native_last if self.pending else self.reference._last_logits
-        self.pending_nll.append(_surprisal(before, tokens[0]))
+        if self.prefill == "native":  # the fold-back's surprisal (the torch model reads the tokens otherwise)
+            before = self._native_last if self.pending else self.reference._last_logits
+            self.pending_nll.append(_surprisal(before, tokens[0]))
         logits = self.native.decode(tokens[0], self.n_tokens)
         self._native_last = logits
         self._record_zoom()

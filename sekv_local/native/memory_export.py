@@ -207,15 +207,15 @@ def native_memory(model: NativeModel, cache: CachePolicy, room: int, decompress:
     its GGUF when they are the same, else they are set from here (a packaged or freshly trained router)."""
     sekv, model_layers = sekv_of(cache)
     if sorted(set(range(model.info.n_layer)) - set(model_layers)) != sorted(model.local_layers):
-        raise SekvError(f"native engine: the torch memory keeps SeKV on layers {model_layers}, the model's global "
-                        f"layers are the others than {list(model.local_layers)}")
+        raise SekvError(f"native engine: the torch memory keeps SeKV on layers {model_layers}, but the model's "
+                        f"sliding-window layers are {list(model.local_layers)}")
     exported = export_memory(sekv, decompress=decompress)
     L = model.info.n_layer
     at = np.array(model_layers)
 
-    def per_model_layer(values: np.ndarray, fill: float = 0) -> np.ndarray:
-        """[n_sekv_layers, ...] -> [n_layer, ...], `fill` at the sliding-window layers"""
-        out = np.full((L, *values.shape[1:]), fill, dtype=values.dtype)
+    def per_model_layer(values: np.ndarray) -> np.ndarray:
+        """[n_sekv_layers, ...] -> [n_layer, ...], zeros at the sliding-window layers"""
+        out = np.zeros((L, *values.shape[1:]), dtype=values.dtype)
         out[at] = values
         return out
 
