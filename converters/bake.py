@@ -57,7 +57,7 @@ def _write_copy(source: GGUFModelFile, entries: list[tuple[str, Any, str]], pref
 
     from sekv_local.persistence import atomic_write
 
-    reader = source._reader
+    reader = gguf.GGUFReader(str(source.path), "r")  # the package's reader: its fields carry their GGUF types
     kinds = {"u32": gguf.GGUFValueType.UINT32, "str": gguf.GGUFValueType.STRING}
     with atomic_write(out) as tmp:
         writer = gguf.GGUFWriter(str(tmp), source.architecture)

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import quantize  # noqa: E402
 
 from sekv_local.errors import ModelError  # noqa: E402
-from sekv_local.models.gguf_file import SUPPORTED_TENSOR_TYPES, GGUFModelFile  # noqa: E402
+from sekv_local.models.gguf_file import SUPPORTED_TENSOR_TYPES, GGUFModelFile, tensor_type_name  # noqa: E402
 
 BLOCK = 32  # block size of every legacy type below
 
@@ -186,7 +186,7 @@ def test_kquant_tensors_match_original(kquant_path, model_path):
     """Every tensor loads, keeps its torch shape and stays close to the Q4_1 original's values."""
     src, kq = GGUFModelFile(model_path), GGUFModelFile(kquant_path)
     assert set(kq.tensor_names()) == set(src.tensor_names())
-    infos = {t.name: t.tensor_type.name for t in kq._reader.tensors}
+    infos = {name: tensor_type_name(t.type_id) for name, t in kq._tensors.items()}
     worst: dict[str, float] = {}
     for name in kq.tensor_names():
         a = src.tensor(name)

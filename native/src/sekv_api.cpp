@@ -67,8 +67,10 @@ static void read_zoom(sekv_memory * mem, const sekv_zoom_outputs & zoom) {
     }
 }
 
-// n tokens at positions position .. position + n - 1; nll: a chunk's surprisal [n - 1] or nullptr
-static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t position, float * nll, float * logits) {
+// n tokens at positions position .. position + n - 1; nll: a chunk's surprisal [n - 1] or nullptr, normalised over
+// the vocabulary ids score_rows [n_score_rows] (n_score_rows 0: the whole vocabulary)
+static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t position, float * nll, float * logits,
+               const int32_t * score_rows = nullptr, int32_t n_score_rows = 0) {
     const sekv_model_info & info = mem->model->info;
     if (!ready(mem)) return -1;
     if (n < 1) {
@@ -89,12 +91,22 @@ static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t pos
             return -1;
         }
     }
+    if (n_score_rows < 0 || (n_score_rows > 0 && score_rows == nullptr)) {
+        sekv_set_error("score rows: a count >= 0 and, when it is not 0, the ids");
+        return -1;
+    }
+    for (int32_t i = 0; i < n_score_rows; ++i) {
+        if (score_rows[i] < 0 || score_rows[i] >= info.n_vocab) {
+            sekv_set_error("score row id out of range");
+            return -1;
+        }
+    }
     const int32_t window = info.sliding_window;
     if (mem->ring > 0 && n > window + 1) {
         sekv_set_error("a chunk may hold at most sliding_window + 1 tokens (" + std::to_string(window + 1) + ")");
         return -1;
     }
-    const size_t nodes = sekv_graph_nodes(mem, n);
+    const size_t nodes = sekv_graph_nodes(mem, n, n_score_rows);
     if (mem->sched != nullptr && nodes > SEKV_SCHED_GRAPH_SIZE) {
         sekv_set_error("a chunk this long needs a larger graph than the scheduler holds: use shorter chunks");
         return -1;
@@ -105,7 +117,7 @@ static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t pos
     ggml_context * ctx = ggml_init(ip);
     sekv_graph_inputs in;
     sekv_zoom_outputs zoom;
-    ggml_cgraph * gf = sekv_build_graph(mem, ctx, n, nll != nullptr, in, zoom);
+    ggml_cgraph * gf = sekv_build_graph(mem, ctx, n, nll != nullptr, n_score_rows, in, zoom);
     if (mem->sched != nullptr) {
         ggml_backend_sched_reset(mem->sched);
     }
@@ -148,6 +160,9 @@ static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t pos
     if (in.nll_index != nullptr) {
         ggml_backend_tensor_set(in.nll_index, tokens + 1, 0, (size_t) (n - 1) * sizeof(int32_t));
     }
+    if (in.score_rows != nullptr) {
+        ggml_backend_tensor_set(in.score_rows, score_rows, 0, (size_t) n_score_rows * sizeof(int32_t));
+    }
     const ggml_status status = mem->sched != nullptr ? ggml_backend_sched_graph_compute(mem->sched, gf)
                                                      : ggml_backend_graph_compute(mem->model->cpu, gf);
     if (status != GGML_STATUS_SUCCESS) {
@@ -174,6 +189,7 @@ int sekv_decode(sekv_memory * mem, int32_t token, int32_t position, float * logi
     return run(mem, &token, 1, position, nullptr, logits);
 }
 
-int sekv_prefill(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t position, float * nll, float * logits) {
-    return run(mem, tokens, n, position, nll, logits);
+int sekv_prefill(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t position, float * nll, float * logits,
+                 const int32_t * score_rows, int32_t n_score_rows) {
+    return run(mem, tokens, n, position, nll, logits, score_rows, n_score_rows);
 }

@@ -368,14 +368,19 @@ static ggml_tensor * log_sum_exp(ggml_context * ctx, ggml_tensor * a) {
 // The chunk's surprisal: -log p(token[i + 1] | up to i) for i < T - 1 from the final hidden rows x [n_embd, T],
 // without a [V, T] tensor: each block of sekv_nll_rows vocabulary rows gives every token's log-sum-exp over it, and
 // the blocks' combine; the target's logit is its output row times the hidden row. targets i32 [T - 1]: token[i + 1].
+// rows i32 [R] (nullptr: the whole vocabulary): the shortlist of vocabulary ids to normalise over, the targets
+// among them; its blocks are gathered from the output matrix, so only R of its rows are read.
 static ggml_tensor * chunk_nll(ggml_context * ctx, ggml_tensor * output, ggml_tensor * x, ggml_tensor * targets,
-                               int64_t T, int64_t V, float cap) {
+                               ggml_tensor * rows, int64_t T, int64_t V, float cap) {
     ggml_tensor * xs = ggml_view_2d(ctx, x, x->ne[0], T - 1, x->nb[1], 0);  // the rows that predict a chunk token
-    const int64_t rows = sekv_nll_rows(T - 1);
+    const int64_t block = sekv_nll_rows(T - 1);
+    const int64_t R = rows != nullptr ? rows->ne[0] : V;
     std::vector<ggml_tensor *> parts;
-    for (int64_t a = 0; a < V; a += rows) {
-        const int64_t n = std::min(rows, V - a);
-        ggml_tensor * w = ggml_view_2d(ctx, output, output->ne[0], n, output->nb[1], a * output->nb[1]);
+    for (int64_t a = 0; a < R; a += block) {
+        const int64_t n = std::min(block, R - a);
+        ggml_tensor * w = rows != nullptr
+            ? ggml_get_rows(ctx, output, ggml_view_1d(ctx, rows, n, a * rows->nb[0]))  // [n_embd, n] f32
+            : ggml_view_2d(ctx, output, output->ne[0], n, output->nb[1], a * output->nb[1]);
         parts.push_back(log_sum_exp(ctx, softcapped(ctx, ggml_mul_mat(ctx, w, xs), cap)));  // [1, T - 1]
     }
     ggml_tensor * lse = log_sum_exp(ctx, stack_rows(ctx, parts, 0, parts.size()));
@@ -383,12 +388,13 @@ static ggml_tensor * chunk_nll(ggml_context * ctx, ggml_tensor * output, ggml_te
     return ggml_sub(ctx, lse, softcapped(ctx, target, cap));
 }
 
-size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T) {
+size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T, int64_t score_rows) {
     const sekv_model_info & info = mem->model->info;
     const int64_t H = info.n_head, KV = info.n_head_kv;
     step_builder b{const_cast<sekv_memory *>(mem), nullptr, mem->model, info.head_dim, H, KV, T * (H / KV),
                    mem->n_exact + T, T};
-    const int64_t nll_blocks = (info.n_vocab + sekv_nll_rows(T - 1) - 1) / sekv_nll_rows(T - 1);
+    const int64_t scored = score_rows > 0 ? score_rows : info.n_vocab;
+    const int64_t nll_blocks = (scored + sekv_nll_rows(T - 1) - 1) / sekv_nll_rows(T - 1);
     size_t nodes = 256 + 16 * (size_t) nll_blocks;
     for (int il = 0; il < info.n_layer; ++il) {
         const int64_t block = T > 1 ? b.flash_block_tokens(b.attended_rows(il)) : 1;
@@ -399,13 +405,13 @@ size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T) {
     return nodes;
 }
 
-ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T, bool with_nll, sekv_graph_inputs & in,
-                               sekv_zoom_outputs & zoom) {
+ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T, bool with_nll, int64_t score_rows,
+                               sekv_graph_inputs & in, sekv_zoom_outputs & zoom) {
     const sekv_model * m = mem->model;
     const llama_model & lm = *m->model;
     const sekv_model_info & info = m->info;
     const int64_t D = info.head_dim, H = info.n_head, KV = info.n_head_kv, Gh = H / KV;
-    ggml_cgraph * gf = ggml_new_graph_custom(ctx, sekv_graph_nodes(mem, T), false);
+    ggml_cgraph * gf = ggml_new_graph_custom(ctx, sekv_graph_nodes(mem, T, score_rows), false);
 
     in.tokens = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
     in.pos = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T);
@@ -509,10 +515,16 @@ ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T,
     ggml_set_name(logits, "logits");
     ggml_build_forward_expand(gf, logits);
     in.nll_index = nullptr;
+    in.score_rows = nullptr;
     if (with_nll && T > 1) {
         in.nll_index = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, T - 1);
         ggml_set_input(in.nll_index);
-        ggml_tensor * nll = chunk_nll(ctx, lm.output, x, in.nll_index, T, info.n_vocab, m->logit_softcap);
+        if (score_rows > 0) {
+            in.score_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, score_rows);
+            ggml_set_input(in.score_rows);
+        }
+        ggml_tensor * nll = chunk_nll(ctx, lm.output, x, in.nll_index, in.score_rows, T, info.n_vocab,
+                                      m->logit_softcap);
         ggml_set_output(nll);
         ggml_set_name(nll, "nll");
         ggml_build_forward_expand(gf, nll);

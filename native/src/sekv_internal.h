@@ -119,7 +119,7 @@ constexpr int64_t SEKV_MLP_BLOCK_BYTES = 1 << 20;
 inline int32_t sekv_ring_rows(int32_t window) { return 2 * window; }
 
 // Nodes the graph of T tokens may hold (every layer's ops, a chunk's attention and surprisal in blocks).
-size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T);
+size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T, int64_t score_rows = 0);
 // Most nodes a graph may hold on the multi-backend scheduler (it sizes its tables once).
 constexpr size_t SEKV_SCHED_GRAPH_SIZE = 65536;
 
@@ -138,13 +138,14 @@ inline int64_t sekv_nll_rows(int64_t n) { return std::max<int64_t>(64, (int64_t)
 // A graph's inputs: token ids i32 [T], positions i32 [T], the causal mask of a chunk's own rows f32
 // [n_rows, 1, T, 1] (nullptr for one token); with sliding-window layers, the ring rows the tokens are written to
 // i32 [T] and which ring rows each token sees f32 [C, 1, T, 1] (0 / -inf); the surprisal targets token[i + 1]
-// i32 [T - 1] (nullptr when not asked for).
+// i32 [T - 1] (nullptr when not asked for) and the vocabulary rows it normalises over i32 [R] (nullptr: all).
 struct sekv_graph_inputs {
-    ggml_tensor * tokens = nullptr, * pos = nullptr, * causal = nullptr, * nll_index = nullptr;
+    ggml_tensor * tokens = nullptr, * pos = nullptr, * causal = nullptr, * nll_index = nullptr, * score_rows = nullptr;
     ggml_tensor * ring_slots = nullptr, * window_mask = nullptr;
 };
 
 // The graph of T tokens (a decode step: T = 1; a prefill chunk otherwise): outputs "logits" (the last token's)
-// and, with with_nll, "nll" [1, T - 1].
-ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T, bool with_nll, sekv_graph_inputs & in,
+// and, with with_nll, "nll" [1, T - 1], normalised over score_rows vocabulary rows (0: all of them).
+ggml_cgraph * sekv_build_graph(sekv_memory * mem, ggml_context * ctx, int64_t T, bool with_nll, int64_t score_rows,
+                               sekv_graph_inputs & in,
                                sekv_zoom_outputs & zoom);

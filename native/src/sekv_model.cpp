@@ -14,6 +14,20 @@ void sekv_set_error(const std::string & message) { g_error = message; }
 
 const char * sekv_last_error(void) { return g_error.c_str(); }
 
+int sekv_dequantize(int32_t type, const void * src, float * dst, int64_t n) {
+    if (type < 0 || type >= GGML_TYPE_COUNT || src == nullptr || dst == nullptr || n < 0) {
+        sekv_set_error("dequantize: bad arguments");
+        return -1;
+    }
+    const ggml_type_traits * traits = ggml_get_type_traits((ggml_type) type);
+    if (traits->to_float == nullptr || traits->blck_size <= 0 || n % traits->blck_size != 0) {
+        sekv_set_error(std::string("dequantize: no conversion to float for whole blocks of ") + traits->type_name);
+        return -1;
+    }
+    traits->to_float(src, dst, n);
+    return 0;
+}
+
 static void quiet_log(ggml_log_level level, const char * text, void *) {
     if (level == GGML_LOG_LEVEL_ERROR) {
         fputs(text, stderr);

@@ -61,6 +61,10 @@ typedef struct sekv_memory_params {
 
 SEKV_API const char * sekv_last_error(void);
 
+/* n values of ggml type `type` at src (whole blocks) -> float dst [n]: ggml's own conversion, which the torch
+ * engine uses to read a GGUF's quantized weights (seconds faster than decoding them in numpy). */
+SEKV_API int sekv_dequantize(int32_t type, const void * src, float * dst, int64_t n);
+
 SEKV_API sekv_model * sekv_model_load(const char * path, int32_t n_threads);
 /* gpu = 1: weights and the device tier on the first GPU of a CUDA build, the host tier in pinned host
  * memory; ops that read the host tier run on the CPU (only the zoomed rows cross to the GPU). */
@@ -131,9 +135,11 @@ SEKV_API int sekv_decode(sekv_memory * memory, int32_t token, int32_t position, 
  * zoom choice per layer and KV head (the most any of its tokens' query heads gives a span, as the torch
  * engine routes a chunk). The chunk's rows are appended to every layer's exact rows (read them back with
  * sekv_memory_get_exact). nll float [n - 1]: -log p(tokens[i + 1] | up to tokens[i]), computed without a
- * [n, n_vocab] buffer (nullptr: not computed); logits float [n_vocab]: the last token's. */
+ * [n, n_vocab] buffer (nullptr: not computed), normalised over the vocabulary ids score_rows [n_score_rows]
+ * (a shortlist that holds tokens[1..n-1]; n_score_rows 0: the whole vocabulary); logits float [n_vocab]: the
+ * last token's. */
 SEKV_API int sekv_prefill(sekv_memory * memory, const int32_t * tokens, int32_t n, int32_t position, float * nll,
-                          float * logits);
+                          float * logits, const int32_t * score_rows, int32_t n_score_rows);
 
 /* A sliding-window layer's rows for positions [position, position + n_rows): k, v [KV][n_rows][D], k post-RoPE.
  * n_rows <= sliding_window; every local layer must get the same positions before a step. */

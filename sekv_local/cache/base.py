@@ -241,6 +241,12 @@ class CachePolicy(ABC):
         self.n_tokens += int(token_ids.shape[0])
         self._note_peak()
 
+    def score_rows(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """The vocabulary rows [R] (sorted ids, each of token_ids [T] among them) that this chunk's token scores
+        normalise over; None: the whole vocabulary. Called once per scored chunk, before its scores exist: a
+        method that keeps a shortlist adds the chunk's tokens to it here."""
+        return None
+
     def finish_prefill(self) -> None:
         """The document (or a new user turn) has been fed; methods that compress after prefill do it here."""
 

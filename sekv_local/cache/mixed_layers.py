@@ -130,6 +130,9 @@ class MixedLayers(CachePolicy):
         self.inner.end_chunk(logits, token_ids)
         self.n_tokens = self.inner.n_tokens
 
+    def score_rows(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        return self.inner.score_rows(token_ids)
+
     def finish_prefill(self) -> None:
         self.inner.finish_prefill()
 

@@ -26,7 +26,7 @@ from ..cache.base import MemoryReport
 from ..errors import SekvError
 from ..models.tokenizer import Tokenizer
 from .base import Engine, EngineOptions
-from .torch_engine import TorchEngine
+from .torch_engine import TorchEngine, resolve_device
 
 # exact rows the native memory keeps free for generated tokens before it folds them back into torch
 DECODE_ROOM = 256
@@ -42,12 +42,6 @@ PREFILLS = ("auto", "native", "torch")
 NATIVE_PREFILL_ARCHITECTURES = ("gemma3",)
 
 
-def _surprisal(logits: np.ndarray | None, token: int) -> float:
-    """-log p(token) under logits [vocab] (0 when nothing predicted it)."""
-    if logits is None:
-        return 0.0
-    top = float(logits.max())
-    return float(top + np.log(np.exp(logits - top).sum()) - logits[token])
 
 
 @lru_cache(maxsize=2)
@@ -78,6 +72,9 @@ class LlamaCppSekvEngine(Engine):
         if self.prefill not in PREFILLS:
             raise SekvError(f"engine 'llama.cpp': prefill must be one of {', '.join(PREFILLS)}, got {self.prefill!r}")
         options = dataclasses.replace(options, method_options=method_options)
+        from ..native.bindings import load_library
+
+        load_library(cuda=resolve_device(options.device).startswith("cuda"))  # before the torch weights: ggml reads them
         self.reference = TorchEngine(gguf_path, tokenizer, options)
         super().__init__(self.reference.config, tokenizer, options)
         if self.prefill == "auto":
@@ -208,13 +205,22 @@ class LlamaCppSekvEngine(Engine):
         if self.native is None:
             self._import()
         if self.prefill == "native":  # the fold-back's surprisal (the torch model reads the tokens otherwise)
-            before = self._native_last if self.pending else self.reference._last_logits
-            self.pending_nll.append(_surprisal(before, tokens[0]))
+            self.pending_nll.append(self._token_surprisal(tokens[0]))
         logits = self.native.decode(tokens[0], self.n_tokens)
         self._native_last = logits
         self._record_zoom()
         self.pending.append(tokens[0])
         return logits
+
+    def _token_surprisal(self, token: int) -> float:
+        """-log p(token) under the logits that chose it (0 when nothing predicted it), normalised over the
+        memory's surprisal rows with the token among them."""
+        from ..models.transformer import token_nll
+
+        before = self._native_last if self.pending else self.reference._last_logits
+        if before is None:
+            return 0.0
+        return token_nll(before, token, self.reference.cache.score_rows(torch.tensor([token])))
 
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
         """One prefill chunk at reference.n_tokens: read natively unless it is a question's (or prefill=torch)."""
@@ -229,14 +235,15 @@ class LlamaCppSekvEngine(Engine):
         # Spans as factors: a 255-token chunk at 4K took 3.2 s rebuilding them in the graph, 4.0 s reading raw
         # rows (one mat-vec per query row and span)
         memory = native_memory(self.native_model, cache, len(tokens) + 1, zoom_k=sekv._step_zoom_k)
+        rows = cache.score_rows(torch.tensor(tokens, dtype=torch.long))
         try:
             first = memory.n_exact
-            nll, logits = memory.prefill(tokens, ref.n_tokens)
+            nll, logits = memory.prefill(tokens, ref.n_tokens, score_rows=None if rows is None else rows.numpy())
             self._take_rows(memory, first, len(tokens))
             self._record_zoom(memory, decode_step=False)
         finally:
             memory.close()
-        scores = ChunkScores(torch.from_numpy(logits)[None], torch.from_numpy(nll))
+        scores = ChunkScores(torch.from_numpy(logits)[None], torch.from_numpy(nll), rows=rows)
         cache.end_chunk(scores.predicted_by(ref._last_logits, tokens[0]), torch.tensor(tokens, dtype=torch.long))
         ref._last_logits = logits
         return logits

@@ -27,6 +27,10 @@ SEKV_METHODS = ("sekv", "sekv+xkv")
 @lru_cache(maxsize=2)
 def load_transformer(path: str, device: str) -> Transformer:
     """Dequantize once per process: the bench and the TUI build many engines over one model."""
+    if torch.device(device).type == "cpu":  # ggml dequantizes the weights if its library is built (seconds)
+        from ..native.bindings import load_built_library
+
+        load_built_library()
     with _LOAD_LOCK:
         return Transformer.from_gguf(open_model_file(path), device=device).eval()
 

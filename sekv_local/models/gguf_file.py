@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -12,18 +13,17 @@ import torch
 
 from ..errors import ModelError
 from .config import ModelConfig
+from .gguf_reader import GGUFContents, GGUFFormatError, plain_value
 
-# Tensor types the torch engine dequantizes (via the gguf package); others are refused up front.
+# Tensor types the torch engine dequantizes (quantized blocks via the gguf package); others are refused up front.
 SUPPORTED_TENSOR_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K",
                           "Q4_K", "Q5_K", "Q6_K"}
 
 
 class GGUFModelFile:
-    """A GGUF file opened read-only (memory-mapped by the gguf package)."""
+    """A GGUF file opened read-only (memory-mapped; metadata arrays decoded on demand)."""
 
     def __init__(self, path: str | Path) -> None:
-        import gguf
-
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
@@ -32,24 +32,24 @@ class GGUFModelFile:
         if magic != b"GGUF":
             raise ModelError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
         try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-        except Exception as exc:  # the gguf package raises assorted errors on truncated/corrupt files
+            self._contents = GGUFContents(self.path)
+        except (GGUFFormatError, OSError, ValueError) as exc:
             raise ModelError(f"cannot read GGUF file {self.path}: {exc}") from exc
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._fields = self._contents.fields
+        self._tensors = self._contents.tensors
 
     def metadata(self, key: str, default: Any = None) -> Any:
-        """The value of one metadata key (scalars, strings and arrays), or `default`."""
-        field = self._reader.fields.get(key)
-        if field is None:
+        """The value of one metadata key (scalars, strings and arrays as lists), or `default`."""
+        if key not in self._fields:
             return default
         try:
-            return field.contents()
-        except (UnicodeDecodeError, ValueError, IndexError, TypeError) as exc:  # damaged value bytes
+            return plain_value(self._fields[key])
+        except (UnicodeDecodeError, ValueError, IndexError, TypeError, struct.error) as exc:  # damaged value bytes
             raise ModelError(f"{self.path.name}: metadata '{key}' is unreadable ({exc.__class__.__name__}); "
                              "the file is damaged") from None
 
     def keys(self) -> list[str]:
-        return list(self._reader.fields.keys())
+        return list(self._fields)
 
     @property
     def architecture(self) -> str:
@@ -77,7 +77,7 @@ class GGUFModelFile:
             freq_factors = tuple(float(x) for x in self.tensor("rope_freqs.weight").flatten().tolist())
         vocab = self.metadata(f"{arch}.vocab_size")
         if vocab is None:
-            vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
+            vocab = len(self._fields["tokenizer.ggml.tokens"])
         n_layers = int(need("block_count"))
         extra = self._gemma3_settings(arch, n_layers, n_embd, n_heads, head_dim) if arch == "gemma3" else {}
         return ModelConfig(
@@ -157,26 +157,53 @@ class GGUFModelFile:
 
     def tensor(self, name: str, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Dequantized float32 tensor in PyTorch (row-major) order, e.g. a linear weight as [out, in]."""
-        from gguf.quants import dequantize
-
         info = self._tensors.get(name)
         if info is None:
             raise ModelError(f"{self.path.name}: missing tensor '{name}'")
-        type_name = info.tensor_type.name
+        type_name = tensor_type_name(info.type_id)
         if type_name not in SUPPORTED_TENSOR_TYPES:
             raise ModelError(f"{self.path.name}: tensor '{name}' has unsupported type {type_name}")
+        # GGUF lists dims fastest-first; numpy/torch want slowest-first.
+        shape = tuple(reversed(info.dims))
         try:
-            array = dequantize(info.data, info.tensor_type)
+            array = dequantized(info.data, info.type_id, shape)
         except Exception as exc:
             raise ModelError(f"{self.path.name}: cannot decode tensor '{name}' ({type_name}): {exc}") from exc
-        # GGUF lists dims fastest-first; numpy/torch want slowest-first.
-        shape = tuple(int(d) for d in reversed(info.shape))
-        array = np.array(array, dtype=np.float32, copy=True).reshape(shape)  # writable, owned
         if expected_shape is not None and tuple(array.shape) != tuple(expected_shape):
             raise ModelError(
                 f"{self.path.name}: tensor '{name}' has shape {tuple(array.shape)}, expected {tuple(expected_shape)}"
             )
         return torch.from_numpy(array)
+
+
+def tensor_type_name(type_id: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"type {type_id}"
+
+
+def dequantized(data: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor's bytes [n_bytes] uint8 -> a writable float32 array of `shape` (slowest dim first)."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+    kind = GGMLQuantizationType(type_id)
+    if kind == GGMLQuantizationType.F32:
+        return np.array(data.view(np.float32).reshape(shape), dtype=np.float32, copy=True)
+    if kind == GGMLQuantizationType.F16:
+        return data.view(np.float16).reshape(shape).astype(np.float32)
+    if kind == GGMLQuantizationType.BF16:
+        return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    from ..native.bindings import dequantize_loaded
+
+    fast = dequantize_loaded(data, type_id, int(np.prod(shape, dtype=np.int64)))
+    if fast is not None:  # ggml's own conversion, where the native library is loaded
+        return fast.reshape(shape)
+    blocks = data.reshape(quant_shape_to_byte_shape(shape, kind))
+    return np.array(dequantize(blocks, kind), dtype=np.float32, copy=True).reshape(shape)
 
 
 def open_model_file(path: str | Path) -> GGUFModelFile:

@@ -43,18 +43,19 @@ class ChunkScores:
 
     last: [1, vocab] the last row's logits (they predict the next token); nll: [T - 1] float32,
     -log p(tokens[t + 1] | tokens[..t]) for t < T - 1; first_nll: -log p(tokens[0]) from the row before the
-    chunk, which only the caller has (None: unknown).
+    chunk, which only the caller has (None: unknown); rows: the vocabulary ids [R] the probabilities normalise
+    over (the cache's `score_rows`; None: all of them).
     """
 
     last: torch.Tensor
     nll: torch.Tensor
     first_nll: float | None = None
+    rows: torch.Tensor | None = None
 
     def predicted_by(self, previous: np.ndarray | None, first_token: int) -> ChunkScores:
         """Fill first_nll from the logits [vocab] of the row before the chunk (None: nothing predicted it)."""
         if previous is not None:
-            row = torch.from_numpy(previous)
-            self.first_nll = float(torch.logsumexp(row, dim=-1) - row[int(first_token)])
+            self.first_nll = token_nll(previous, int(first_token), self.rows)
         return self
 
     @classmethod
@@ -66,6 +67,12 @@ class ChunkScores:
             return cls(logits[-1:], logits.new_zeros(0))
         nll = torch.logsumexp(logits[:-1], dim=-1) - logits[:-1].gather(1, tokens[1:, None].to(logits.device))[:, 0]
         return cls(logits[-1:], nll)
+
+
+def token_nll(logits: np.ndarray, token: int, rows: torch.Tensor | None = None) -> float:
+    """-log p(token) from one row of logits [vocab], normalised over `rows` [R] (None: the whole vocabulary)."""
+    row = torch.from_numpy(logits).float()
+    return float(torch.logsumexp(row if rows is None else row[rows], dim=-1) - row[token])
 
 
 class DecoderLayer(nn.Module):
@@ -177,7 +184,7 @@ class Transformer(nn.Module):
             x = x[-1:]
         x = rms_norm(x, self.out_norm, cfg.rms_eps)
         if logits == "scores":
-            return self._scores(x, tokens)
+            return self._scores(x, tokens, cache.score_rows(tokens))
         return self._head(x)
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
@@ -201,22 +208,40 @@ class Transformer(nn.Module):
             out = rms_norm(out, layer.post_ffn_norm, cfg.rms_eps)
         return out
 
+    @property
+    def _output(self) -> torch.Tensor:
+        """The output matrix [vocab, n_embd] (tied to the embeddings when the file has none of its own)."""
+        return self.lm_head if self.lm_head is not None else self.embed
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap > 0 else logits
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, n_embd] -> logits [N, vocab]."""
-        out = F.linear(x, self.lm_head if self.lm_head is not None else self.embed)
-        cap = self.config.final_logit_softcap
-        return torch.tanh(out / cap) * cap if cap > 0 else out
+        return self._softcap(F.linear(x, self._output))
 
-    def _scores(self, x: torch.Tensor, tokens: torch.Tensor) -> ChunkScores:
-        """x [T, n_embd] final-normed -> ChunkScores, one block of logits rows at a time."""
+    def _scores(self, x: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> ChunkScores:
+        """x [T, n_embd] final-normed -> ChunkScores. Over the whole vocabulary one block of logits rows at a
+        time; over a shortlist `rows` [R] (ids, the chunk's tokens among them) one block of its output rows at
+        a time, so that only R rows of the output matrix are read."""
         T = x.shape[0]
-        rows = max(1, SCORE_BLOCK_BYTES // (4 * self.config.vocab_size))
         nll = torch.empty(max(T - 1, 0), dtype=torch.float32, device=x.device)
-        for first in range(0, T - 1, rows):
-            block = self._head(x[first: min(first + rows, T - 1)]).float()  # [b, vocab]
-            target = tokens[first + 1: first + 1 + block.shape[0], None]
-            nll[first: first + block.shape[0]] = torch.logsumexp(block, dim=-1) - block.gather(1, target)[:, 0]
-        return ChunkScores(self._head(x[-1:]), nll)
+        if rows is None:
+            step = max(1, SCORE_BLOCK_BYTES // (4 * self.config.vocab_size))
+            for first in range(0, T - 1, step):
+                block = self._head(x[first: min(first + step, T - 1)]).float()  # [b, vocab]
+                target = tokens[first + 1: first + 1 + block.shape[0], None]
+                nll[first: first + block.shape[0]] = torch.logsumexp(block, dim=-1) - block.gather(1, target)[:, 0]
+        elif T > 1:
+            xs, output = x[:-1], self._output
+            step = max(64, SCORE_BLOCK_BYTES // (4 * (T - 1)))
+            rows_dev = rows.to(x.device)
+            lse = torch.cat([torch.logsumexp(self._softcap(xs @ output[rows_dev[a: a + step]].T).float(), dim=-1,
+                                             keepdim=True) for a in range(0, rows_dev.shape[0], step)], dim=1)
+            target = self._softcap((xs * output[tokens[1:]]).sum(-1)).float()  # [T - 1]
+            nll = torch.logsumexp(lse, dim=1) - target
+        return ChunkScores(self._head(x[-1:]), nll, rows=rows)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "sekv_memory_set_layer_spans": (ctypes.c_int, [_p, _c_int, _p, _p, ctypes.POINTER(SpanRows),
                                                    ctypes.POINTER(SpanRows)]),
     "sekv_decode": (ctypes.c_int, [_p, _c_int, _c_int, _p]),
-    "sekv_prefill": (ctypes.c_int, [_p, _p, _c_int, _c_int, _p, _p]),
+    "sekv_prefill": (ctypes.c_int, [_p, _p, _c_int, _c_int, _p, _p, _p, _c_int]),
+    "sekv_dequantize": (ctypes.c_int, [_c_int, _p, _p, ctypes.c_int64]),
     "sekv_memory_get_exact": (ctypes.c_int, [_p, _c_int, _c_int, _c_int, _p, _p]),
     "sekv_memory_n_exact": (_c_int, [_p]),
     "sekv_memory_bytes": (ctypes.c_int, [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
@@ -84,6 +85,27 @@ def load_library(path: Path | None = None, cuda: bool = False) -> ctypes.CDLL:
             fn.restype, fn.argtypes = res, args
         _LIB, _LIB_CUDA = lib, cuda
     return _LIB
+
+
+def load_built_library() -> bool:
+    """Load the CPU library if it is built already (never builds); whether a library is loaded now."""
+    if _LIB is None:
+        try:
+            load_library(library_path(auto_build=False))
+        except (SekvError, OSError):
+            return False
+    return True
+
+
+def dequantize_loaded(data: np.ndarray, type_id: int, n: int) -> np.ndarray | None:
+    """n values of ggml type `type_id` from their bytes `data` (contiguous) as float32 [n], by ggml, when this
+    process has the native library loaded; None when it has not."""
+    if _LIB is None:
+        return None
+    out = np.empty(n, dtype=np.float32)
+    _check(_LIB, _LIB.sekv_dequantize(int(type_id), _ptr(np.ascontiguousarray(data)), _ptr(out), int(n)),
+           "dequantize")
+    return out
 
 
 def _check(lib: ctypes.CDLL, status: int, what: str) -> None:
@@ -275,14 +297,18 @@ class NativeMemory(_Handle):
         _check(self.lib, self.lib.sekv_decode(self.handle, int(token), int(position), _ptr(self._logits)), "decode")
         return self._logits.copy()
 
-    def prefill(self, tokens: list[int] | np.ndarray, position: int, surprisal: bool = True
-                ) -> tuple[np.ndarray | None, np.ndarray]:
+    def prefill(self, tokens: list[int] | np.ndarray, position: int, surprisal: bool = True,
+                score_rows: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
         """A prefill chunk of n tokens from `position` on, appended to the exact rows: (nll float32 [n - 1],
-        -log p(tokens[i + 1] | up to i), or None when not asked for; the last token's logits [vocab])."""
+        -log p(tokens[i + 1] | up to i), or None when not asked for; the last token's logits [vocab]).
+        score_rows: the vocabulary ids [R] the surprisal normalises over (the chunk's tokens among them; None: all)."""
         ids = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
         nll = np.empty(max(ids.size - 1, 1), dtype=np.float32) if surprisal else None
+        rows = None if score_rows is None else np.ascontiguousarray(score_rows, dtype=np.int32).reshape(-1)
         _check(self.lib, self.lib.sekv_prefill(self.handle, _ptr(ids), int(ids.size), int(position),
-                                               None if nll is None else _ptr(nll), _ptr(self._logits)), "prefill")
+                                               None if nll is None else _ptr(nll), _ptr(self._logits),
+                                               None if rows is None else _ptr(rows),
+                                               0 if rows is None else int(rows.size)), "prefill")
         return (None if nll is None else nll[: ids.size - 1]), self._logits.copy()
 
     def get_exact(self, layer: int, first: int, n: int) -> tuple[np.ndarray, np.ndarray]:

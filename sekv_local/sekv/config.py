@@ -15,6 +15,10 @@ ROUTERS = ("auto", "projection", "attention", "bounds", "union")
 #: what `router=auto` runs once a trained router is loaded: its file names one ("projection" when it does not)
 AUTO_ROUTERS = ("projection", "union")
 POOLS = ("auto", "fixed", "free")
+#: surprisal_vocab=auto: a shortlist of this many leading rows (plus the text's own tokens) for vocabularies
+#: larger than SHORTLIST_ABOVE rows
+SHORTLIST_ROWS = 16384
+SHORTLIST_ABOVE = 65536
 SELECTIONS = ("question", "step")
 PIN_SCORES = ("max", "last", "mean", "lift")  # sekv/question.py: question_span_score
 #: what `pool=auto` runs once a trained router is loaded: its file names one ("fixed" when it does not)
@@ -100,6 +104,11 @@ class SekvConfig:
         rebuilt; it lost accuracy at 25% in RESULTS, so filling is the default).
     rank_gate: with the learned router, each span keeps the SVD energy its layer's trained rank gate chose
         (less host memory); False keeps `energy` and uses only the trained routing (an ablation).
+    surprisal_vocab: the vocabulary rows a token's surprisal normalises over. "all": the whole vocabulary; an
+        integer K: the first K rows plus every token id the memory has seen (document, questions, answers), so
+        every target is in it and the model's mass on the text's own words is counted; "auto": 16384 where the
+        vocabulary has more than 65,536 rows (Gemma 3's 262K rows made the exact normaliser most of a prefill's
+        work), "all" otherwise. Only the cuts between spans depend on it (RESULTS "Surprisal over a shortlist").
     """
 
     alpha: float = 1.0
@@ -129,6 +138,7 @@ class SekvConfig:
     trained: bool = True
     fill: bool = True
     rank_gate: bool = True
+    surprisal_vocab: int | str = "auto"
 
     def __post_init__(self) -> None:
         need = config_check("sekv")
@@ -165,6 +175,10 @@ class SekvConfig:
         need(isinstance(self.trained, bool), "trained must be true or false")
         need(isinstance(self.fill, bool), "fill must be true or false")
         need(isinstance(self.rank_gate, bool), "rank_gate must be true or false")
+        need(self.surprisal_vocab in ("auto", "all") or (isinstance(self.surprisal_vocab, int)
+                                                         and not isinstance(self.surprisal_vocab, bool)
+                                                         and self.surprisal_vocab >= 0),
+             "surprisal_vocab must be 'auto', 'all' or an integer >= 0")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "SekvConfig":

@@ -24,7 +24,7 @@ from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from .buffers import RowBuffer, VecBuffer
-from .config import FILE_CHOICES, SekvConfig
+from .config import FILE_CHOICES, SHORTLIST_ABOVE, SHORTLIST_ROWS, SekvConfig
 from .factors import FactorStore
 from .question import (PinnedRows, block_attention_with_span_lse, pick_spans, question_span_score, voted_spans,
                        spread_to_neighbours)
@@ -120,7 +120,25 @@ class SekvCache(CachePolicy):
         self._question_mass: list[torch.Tensor | None] = [None] * config.n_layers  # per layer [S]
         self._question_block = 1
         self.planned_tokens = config.context_length
+        # the vocabulary rows surprisal normalises over (None: all): sorted ids, replaced (never changed in
+        # place) as tokens arrive, so a checkpoint holds the set of its time by reference
+        self._score_vocab = self._initial_score_vocab()
         self._plan()
+
+    def _initial_score_vocab(self) -> torch.Tensor | None:
+        """surprisal_vocab settled: the leading rows of the shortlist, or None for the whole vocabulary."""
+        option, vocab = self.cfg.surprisal_vocab, self.config.vocab_size
+        if option == "auto":
+            option = SHORTLIST_ROWS if vocab > SHORTLIST_ABOVE else "all"
+        if option == "all" or option >= vocab:
+            return None
+        return torch.arange(option, dtype=torch.long)
+
+    def score_rows(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        if self._score_vocab is None:
+            return None
+        self._score_vocab = torch.unique(torch.cat([self._score_vocab, token_ids.to("cpu", torch.long)]))
+        return self._score_vocab
 
     def _settle_auto_options(self) -> None:
         """Options left "auto": once trained parameters exist, what their file names (routing: the learned
@@ -752,6 +770,7 @@ class SekvCache(CachePolicy):
     def _checkpoint(self) -> dict[str, Any]:
         return {
             "n_tokens": self.n_tokens, "stats": self.stats.copy(), "doc_read": self._doc_read,
+            "score_vocab": self._score_vocab,
             "exact": self.exact_pos.length, "spans": self.span_len.length,
             "pend_pos": self.pend_pos.view().clone(), "pend_s": self.pend_surprisal.view().clone(),
             "pend": [(l.pend_k.view().clone(), l.pend_v.view().clone()) for l in self.layers],
@@ -760,6 +779,7 @@ class SekvCache(CachePolicy):
     def _restore(self, mark: dict[str, Any]) -> None:
         self.n_tokens, self.stats = mark["n_tokens"], mark["stats"].copy()
         self._doc_read = mark["doc_read"]
+        self._score_vocab = mark["score_vocab"]
         self._pins = [None] * self.config.n_layers
         self._question_mass = [None] * self.config.n_layers
         for buf in (self.exact_pos,):
@@ -794,6 +814,8 @@ class SekvCache(CachePolicy):
                 tensors.update(layer.fac_k.export_state(f"L{i}.fac_k"))
                 tensors.update(layer.fac_v.export_state(f"L{i}.fac_v"))
         tensors.update({f"router.{k}": v.detach() for k, v in self.router.state_dict().items()})
+        if self._score_vocab is not None:
+            tensors["score_vocab"] = self._score_vocab
         meta = {"n_tokens": self.n_tokens, "planned_tokens": self.planned_tokens, "l_min": self.l_min,
                 "stats": [self.stats.count, self.stats.mean, self.stats.m2], "router_trained": self.router.trained,
                 "router_auto": dict(self.router.auto_choices)}
@@ -819,6 +841,8 @@ class SekvCache(CachePolicy):
         count, mean, m2 = meta["stats"]
         self.stats = RunningStats(int(count), float(mean), float(m2))
         self.n_tokens = int(meta["n_tokens"])
+        if "score_vocab" in tensors:  # the shortlist its spans were cut with; a memory saved without one: ours
+            self._score_vocab = tensors["score_vocab"].to("cpu", torch.long)
         self._doc_read = True  # a saved memory holds a read document
 
     def _restore_router(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
@@ -851,6 +875,8 @@ class SekvCache(CachePolicy):
         if layer == 0:
             tensors += [self.exact_pos.data, self.pend_pos.data, self.pend_surprisal.data, self.span_pos.data,
                         self.span_len.data, *self._router_tensors()]
+            if self._score_vocab is not None:
+                tensors.append(self._score_vocab)
         return tensors
 
     def host_tensors(self, layer: int) -> list[torch.Tensor]:
