@@ -253,12 +253,12 @@ struct step_builder {
     // values stored transposed [n, D, KV] -> rows [D, n, KV] f16
     ggml_tensor * as_rows(ggml_tensor * vt) const { return ggml_cont(ctx, ggml_transpose(ctx, vt)); }
 
-    // Query tokens per flash-attention call of a chunk: its causal mask [N, Gh * n] f16, made from two parts, stays
-    // near SEKV_BLOCK_BYTES, but a call has at least the 64 query rows from which ggml's CPU flash attention runs
-    // tiled (GGML_FA_TILE_Q; below it, one query row at a time: 1.5x slower per chunk).
+    // Query tokens per flash-attention call of a chunk: its mask [N, n] f16 (made through an f32 part) stays near
+    // SEKV_BLOCK_BYTES, but a call has at least the 64 tokens from which ggml's CPU flash attention runs tiled
+    // (GGML_FA_TILE_Q; below it, one query row at a time).
     int64_t flash_block_tokens(int64_t N) const {
-        const int64_t Gh = G / T, unit = 64 / std::gcd<int64_t>(64, Gh);  // tokens whose query rows fill whole tiles
-        const int64_t fit = SEKV_BLOCK_BYTES / std::max<int64_t>(N * Gh * 4, 1);
+        constexpr int64_t unit = 64;
+        const int64_t fit = SEKV_BLOCK_BYTES / std::max<int64_t>(N * 4, 1);
         return unit * std::max<int64_t>(1, fit / unit);
     }
 
@@ -290,7 +290,10 @@ struct step_builder {
 
     // Flash attention of the query rows q [D, G, KV] over keys, values [D (+ 1 when biased), N, KV], in blocks of
     // tokens that bound the mask: mask f32 [M, 1, T, 1] (0 / -inf) for the first M rows, every later row seen by
-    // every token. biased: the keys carry each row's bias as one more component (see biased()). -> [D, G, KV]
+    // every token. biased: the keys carry each row's bias as one more component (see biased()). A block's queries
+    // go in as llama.cpp lays them out, [D, tokens, heads] (a head reads KV head h / Gh), so that one mask row per
+    // token serves all its heads: the mask is Gh times smaller than one per query row, and a block of the same
+    // bytes holds Gh times the tokens (64-token blocks ran Gemma 3's chunks at half the speed). -> [D, G, KV]
     ggml_tensor * flash(ggml_tensor * q, ggml_tensor * keys, ggml_tensor * values, ggml_tensor * mask_rows,
                         bool with_bias) const {
         const int64_t Gh = G / T, M = mask_rows->ne[0];
@@ -298,22 +301,23 @@ struct step_builder {
         ggml_tensor * out = nullptr;
         for (int64_t a = 0; a < T; a += block) {
             const int64_t n = std::min(block, T - a);
-            ggml_tensor * qx = ggml_view_3d(ctx, q, D, n * Gh, KV, q->nb[1], q->nb[2], a * Gh * q->nb[1]);
+            ggml_tensor * qx = ggml_view_4d(ctx, q, D, Gh, n, KV, q->nb[1], Gh * q->nb[1], q->nb[2], a * Gh * q->nb[1]);
+            qx = ggml_reshape_3d(ctx, ggml_cont(ctx, ggml_permute(ctx, qx, 0, 2, 1, 3)), D, n, Gh * KV);  // [D, n, H]
             if (with_bias) {
-                qx = ggml_concat(ctx, qx, ggml_reshape_3d(ctx, filled(n * Gh * KV, 1.0f), 1, n * Gh, KV), 0);
+                qx = ggml_concat(ctx, qx, ggml_reshape_3d(ctx, filled(n * Gh * KV, 1.0f), 1, n, Gh * KV), 0);
             }
-            ggml_tensor * mb = ggml_view_4d(ctx, mask_rows, M, 1, n, 1, mask_rows->nb[1], mask_rows->nb[2],
-                                            mask_rows->nb[3], a * mask_rows->nb[2]);
-            // [N, Gh * n]: the masked rows for each query row (query head fastest), 0 for every other row
-            ggml_tensor * mask = ggml_cast(ctx, ggml_reshape_2d(ctx, ggml_repeat_4d(ctx, mb, M, Gh, n, 1), M, n * Gh),
-                                           GGML_TYPE_F16);
+            // [N, n]: the first M rows' mask for each token, 0 for every later row
+            ggml_tensor * mb = ggml_view_2d(ctx, mask_rows, M, n, mask_rows->nb[2], a * mask_rows->nb[2]);
+            ggml_tensor * mask = ggml_cast(ctx, mb, GGML_TYPE_F16);
             if (N > M) {  // made in f16: it is most of the mask
                 ggml_tensor * zero = ggml_cast(ctx, ggml_reshape_2d(ctx, filled(1, 0.0f), 1, 1), GGML_TYPE_F16);
-                mask = ggml_concat(ctx, mask, ggml_repeat_4d(ctx, zero, N - M, n * Gh, 1, 1), 0);
+                mask = ggml_concat(ctx, mask, ggml_repeat_4d(ctx, zero, N - M, n, 1, 1), 0);
             }
-            ggml_tensor * o = ggml_flash_attn_ext(ctx, qx, keys, values, mask, 1.0f, 0.0f, 0.0f);
+            ggml_tensor * o = ggml_flash_attn_ext(ctx, qx, keys, values, mask, 1.0f, 0.0f, 0.0f);  // [D, H, n]
             ggml_flash_attn_ext_set_prec(o, GGML_PREC_F32);
-            ggml_tensor * part = ggml_cont(ctx, ggml_permute(ctx, o, 0, 2, 1, 3));  // [D, KV, n Gh] -> [D, n Gh, KV]
+            // [D, Gh, KV, n] -> [D, Gh, n, KV] -> [D, Gh n, KV]
+            ggml_tensor * part = ggml_reshape_3d(ctx, ggml_cont(ctx, ggml_permute(ctx, ggml_reshape_4d(ctx, o, D, Gh, KV, n),
+                                                                                  0, 1, 3, 2)), D, Gh * n, KV);
             out = out == nullptr ? part : ggml_concat(ctx, out, part, 1);
         }
         return out;

@@ -111,7 +111,7 @@ struct sekv_memory {
 
 // About what the causal mask of one flash-attention call of a chunk may take. The rows it attends to sit beside
 // it in the same compute buffer, so a chunk at a 25% budget stays within it (test_native.py).
-constexpr int64_t SEKV_BLOCK_BYTES = 1 << 20;
+constexpr int64_t SEKV_BLOCK_BYTES = 4 << 20;
 // About what one of the [n_ff, tokens] activations of a chunk's MLP may take (the MLP runs over blocks of tokens).
 constexpr int64_t SEKV_MLP_BLOCK_BYTES = 1 << 20;
 // Rows a sliding-window layer's ring holds: a chunk of up to window + 1 tokens then overwrites only positions no
