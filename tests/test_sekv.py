@@ -467,3 +467,19 @@ def test_union_router_takes_half_the_pool_from_each_rule() -> None:
         assert len(set(u)) == 4 and u[2:] == [s for s in p if s not in u[:2]][:2]
         differs += set(a) != set(u)
     assert differs > 0  # the union is not just the attention rule
+
+
+@pytest.mark.parametrize("reads", ["pool", "read_budget"])
+def test_prefill_reads_caps_a_document_chunks_pool_at_the_read_budget(reads: str) -> None:
+    """prefill_reads=read_budget: a chunk of the document routes only the spans a decode step may read."""
+    sekv = create_policy("sekv", CFG, Rope(CFG), budget=10 ** 7, l_min=4, l_max=16, recent=16, zoom_k=12,
+                         read_budget=3 * CFG.n_layers * CFG.n_kv_heads * 2 * 16 * CFG.head_dim * 2,
+                         prefill_reads=reads)
+    sekv.reserve(400)
+    run(sekv, 300, 100)
+    assert sekv.step_slots == 3 and sekv.span_len.length > 12
+    with torch.inference_mode():
+        sekv.begin_chunk(torch.arange(300, 350), True)
+    assert sekv._step_zoom_k == (12 if reads == "pool" else 3)
+    with pytest.raises(Exception, match="prefill_reads must be one of"):
+        create_policy("sekv", CFG, Rope(CFG), budget=0.3, prefill_reads="some")

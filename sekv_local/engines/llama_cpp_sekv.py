@@ -37,8 +37,9 @@ HOST_FORMS = ("rows", "factors")
 #: who reads the document's chunks: the native graph (the torch memory only keeps the books) or the torch engine;
 #: "auto" picks by architecture
 PREFILLS = ("auto", "native", "torch")
-#: where "auto" reads natively: measured faster there (docs/RESULTS.md, `sekv-local speed`): Gemma 3 at 8K, 122
-#: against 37 tok/s; SmolLM2 at 7.7K reads faster in the torch engine (111 against 84 tok/s)
+#: where "auto" reads natively: where it was measured faster (docs/RESULTS.md "Stock llama.cpp with flash
+#: attention"): Gemma 3 (8K: about 10x the torch engine's prefill); SmolLM2 at 7.7K still reads about 10% faster in
+#: the torch engine
 NATIVE_PREFILL_ARCHITECTURES = ("gemma3",)
 
 

@@ -20,6 +20,7 @@ POOLS = ("auto", "fixed", "free")
 SHORTLIST_ROWS = 16384
 SHORTLIST_ABOVE = 65536
 SELECTIONS = ("question", "step")
+PREFILL_READS = ("pool", "read_budget")
 PIN_SCORES = ("max", "last", "mean", "lift")  # sekv/question.py: question_span_score
 #: what `pool=auto` runs once a trained router is loaded: its file names one ("fixed" when it does not)
 AUTO_POOLS = ("fixed", "free")
@@ -76,7 +77,12 @@ class SekvConfig:
         push out the needle's own span (RESULTS "Selective zoom").
     read_budget: host bytes a decode step may gather (routed spans' stored rows or factors): a fraction of the
         full-KV bytes (float <= 1) or bytes (int); "auto": 0.05 with select=question, unbounded with
-        select=step. Caps the routed pool of a decode step; prefill chunks keep the device-sized pool.
+        select=step. Caps the routed pool of a decode step; prefill chunks keep the device-sized pool unless
+        prefill_reads says otherwise.
+    prefill_reads: what a prefill chunk of the document reads back: "pool", the device-sized zoom pool (at 25% a
+        chunk zooms into most spans, so reading a document costs what full attention costs, growing with its
+        square); "read_budget", the spans a decode step may read (the read budget), so that each chunk reads a
+        bounded share and a long document reads in time linear in its length.
     answer_room: with select=question, the tokens an answer may add on the device before its rows fold into
         spans: the room kept free beside the pins. "auto": l_max + 16 (the torch engine folds every l_max
         decoded tokens); the llama.cpp engine sets its decode room, since it folds only when that fills. Never
@@ -126,6 +132,7 @@ class SekvConfig:
     pin_spread: float = 0.0
     pin_vote: float = 1.0
     read_budget: float | int | str = "auto"
+    prefill_reads: str = "pool"
     answer_room: int | str = "auto"
     routing_dim: int = 32
     threshold: float = 0.05
@@ -162,6 +169,7 @@ class SekvConfig:
         need(self.read_budget == "auto" or (isinstance(self.read_budget, float) and 0 < self.read_budget <= 1)
              or (isinstance(self.read_budget, int) and not isinstance(self.read_budget, bool) and self.read_budget > 0),
              "read_budget must be 'auto', a fraction in (0, 1] or a positive number of bytes")
+        need(self.prefill_reads in PREFILL_READS, f"prefill_reads must be one of {PREFILL_READS}")
         need(self.answer_room == "auto" or (isinstance(self.answer_room, int) and not isinstance(self.answer_room, bool)
                                             and self.answer_room > 0), "answer_room must be 'auto' or a positive integer")
         need(self.routing_dim >= 2 and self.routing_dim % 2 == 0, "routing_dim must be an even number >= 2")

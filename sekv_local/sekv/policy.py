@@ -328,6 +328,8 @@ class SekvCache(CachePolicy):
         self._step_zoom_k = self.zoom_k if not self.free_pool else self._free_zoom_k(int(positions.shape[0]))
         if (not is_prefill or self._replay) and self.cfg.select == "question":
             self._step_zoom_k = min(self._step_zoom_k, self.step_slots)
+        elif is_prefill and not question and self.cfg.prefill_reads == "read_budget":
+            self._step_zoom_k = min(self._step_zoom_k, self.step_slots)
 
     def _begin_question(self, n_new: int) -> None:
         """A question arrives: drop the previous answer's pins; its pass rebuilds spans in blocks that fit the
