@@ -114,7 +114,8 @@ class SekvConfig:
         integer K: the first K rows plus every token id the memory has seen (document, questions, answers), so
         every target is in it and the model's mass on the text's own words is counted; "auto": 16384 where the
         vocabulary has more than 65,536 rows (Gemma 3's 262K rows made the exact normaliser most of a prefill's
-        work), "all" otherwise. Only the cuts between spans depend on it (RESULTS "Surprisal over a shortlist").
+        work), "all" otherwise. Only the cuts between spans depend on it (RESULTS "Stock llama.cpp with flash
+        attention; ...; surprisal over a shortlist").
     """
 
     alpha: float = 1.0
