@@ -67,6 +67,17 @@ static void read_zoom(sekv_memory * mem, const sekv_zoom_outputs & zoom) {
     }
 }
 
+// whether every one of ids [n] is a vocabulary row (else the error says `what`)
+static bool vocab_ids(const int32_t * ids, int32_t n, int32_t n_vocab, const char * what) {
+    for (int32_t i = 0; i < n; ++i) {
+        if (ids[i] < 0 || ids[i] >= n_vocab) {
+            sekv_set_error(what);
+            return false;
+        }
+    }
+    return true;
+}
+
 // n tokens at positions position .. position + n - 1; nll: a chunk's surprisal [n - 1] or nullptr, normalised over
 // the vocabulary ids score_rows [n_score_rows] (n_score_rows 0: the whole vocabulary)
 static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t position, float * nll, float * logits,
@@ -85,22 +96,12 @@ static int run(sekv_memory * mem, const int32_t * tokens, int32_t n, int32_t pos
         sekv_set_error("negative position");
         return -1;
     }
-    for (int32_t i = 0; i < n; ++i) {
-        if (tokens[i] < 0 || tokens[i] >= info.n_vocab) {
-            sekv_set_error("token id out of range");
-            return -1;
-        }
-    }
+    if (!vocab_ids(tokens, n, info.n_vocab, "token id out of range")) return -1;
     if (n_score_rows < 0 || (n_score_rows > 0 && score_rows == nullptr)) {
         sekv_set_error("score rows: a count >= 0 and, when it is not 0, the ids");
         return -1;
     }
-    for (int32_t i = 0; i < n_score_rows; ++i) {
-        if (score_rows[i] < 0 || score_rows[i] >= info.n_vocab) {
-            sekv_set_error("score row id out of range");
-            return -1;
-        }
-    }
+    if (!vocab_ids(score_rows, n_score_rows, info.n_vocab, "score row id out of range")) return -1;
     const int32_t window = info.sliding_window;
     if (mem->ring > 0 && n > window + 1) {
         sekv_set_error("a chunk may hold at most sliding_window + 1 tokens (" + std::to_string(window + 1) + ")");
