@@ -118,6 +118,11 @@ constexpr int64_t SEKV_MLP_BLOCK_BYTES = 1 << 20;
 // query of it can see.
 inline int32_t sekv_ring_rows(int32_t window) { return 2 * window; }
 
+// The host tier's table type for sekv_memory_params.host_quant (0 f16, 1 q8_0, 2 q4_0).
+inline ggml_type sekv_host_type(int32_t host_quant) {
+    return host_quant == 1 ? GGML_TYPE_Q8_0 : host_quant == 2 ? GGML_TYPE_Q4_0 : GGML_TYPE_F16;
+}
+
 // Nodes the graph of T tokens may hold (every layer's ops, a chunk's attention and surprisal in blocks).
 size_t sekv_graph_nodes(const sekv_memory * mem, int64_t T, int64_t score_rows = 0);
 // Most nodes a graph may hold on the multi-backend scheduler (it sizes its tables once).

@@ -39,6 +39,15 @@ static bool check_params(const sekv_memory_params & p, const sekv_model & model)
         sekv_set_error("sekv_memory_params: rank larger than both span_rows and head_dim");
         return false;
     }
+    if (p.host_quant < 0 || p.host_quant > 2) {
+        sekv_set_error("sekv_memory_params: host_quant must be 0 (f16), 1 (q8_0) or 2 (q4_0)");
+        return false;
+    }
+    if (p.host_quant != 0 && ((int64_t) p.rank * p.span_rows % 32 != 0 || info.head_dim % 32 != 0)) {
+        sekv_set_error("sekv_memory_params: a block-quantized host tier needs rank * span_rows and head_dim to be "
+                       "multiples of 32");
+        return false;
+    }
     if (!(p.summary_bias >= 0.0f)) {
         sekv_set_error("sekv_memory_params: summary_bias must be >= 0");
         return false;
@@ -75,6 +84,7 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     mem->layers.resize(L);
     mem->ring = info.sliding_window > 0 ? sekv_ring_rows(info.sliding_window) : 0;
     mem->ring_pos.assign((size_t) mem->ring, -1);
+    const ggml_type host = sekv_host_type(params->host_quant);
     for (int64_t il = 0; il < L; ++il) {
         auto & t = mem->layers[il];
         if (model->local[il]) {  // its window exactly, nothing else
@@ -93,12 +103,12 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
         t.evt = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, cap, D, KV);
         t.sk = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, D, S, KV);
         t.svt = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, S, D, KV);
-        t.uk = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, R * l, Fk, KV);
-        t.wk = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, R * D, Fk, KV);
-        t.uv = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, R * l, Fv, KV);
-        t.wv = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, R * D, Fv, KV);
-        t.rk = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, D * l, Wk, KV);
-        t.rvt = ggml_new_tensor_3d(mem->host_ctx, GGML_TYPE_F16, l * D, Wv, KV);
+        t.uk = ggml_new_tensor_3d(mem->host_ctx, host, R * l, Fk, KV);
+        t.wk = ggml_new_tensor_3d(mem->host_ctx, host, R * D, Fk, KV);
+        t.uv = ggml_new_tensor_3d(mem->host_ctx, host, R * l, Fv, KV);
+        t.wv = ggml_new_tensor_3d(mem->host_ctx, host, R * D, Fv, KV);
+        t.rk = ggml_new_tensor_3d(mem->host_ctx, host, D * l, Wk, KV);
+        t.rvt = ggml_new_tensor_3d(mem->host_ctx, host, l * D, Wv, KV);
         t.k_fslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
         t.k_rslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
         t.v_fslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
@@ -253,12 +263,23 @@ int sekv_memory_set_spans(sekv_memory * mem, const int32_t * start, const int32_
     return 0;
 }
 
-// [S][KV][width] -> a [width, S, KV] tensor (swap the span and head axes)
+// [S][KV][width] f16 -> a [width, S, KV] tensor (swap the span and head axes), each row quantized to the
+// tensor's type where it is not f16
 static void set_span_major(ggml_tensor * dst, const uint16_t * src, int64_t S, int64_t KV, int64_t width) {
+    const bool f16 = dst->type == GGML_TYPE_F16;
+    std::vector<float> row(f16 ? 0 : (size_t) width);
+    std::vector<uint8_t> packed(f16 ? 0 : ggml_row_size(dst->type, width));
     for (int64_t h = 0; h < KV; ++h) {
         for (int64_t s = 0; s < S; ++s) {
-            ggml_backend_tensor_set(dst, src + (s * KV + h) * width, (size_t) (h * dst->nb[2] + s * dst->nb[1]),
-                                    (size_t) width * 2);
+            const uint16_t * from = src + (s * KV + h) * width;
+            const size_t at = (size_t) (h * dst->nb[2] + s * dst->nb[1]);
+            if (f16) {
+                ggml_backend_tensor_set(dst, from, at, (size_t) width * 2);
+                continue;
+            }
+            ggml_fp16_to_fp32_row(reinterpret_cast<const ggml_fp16_t *>(from), row.data(), width);
+            ggml_quantize_chunk(dst->type, row.data(), packed.data(), 0, 1, width, nullptr);
+            ggml_backend_tensor_set(dst, packed.data(), at, packed.size());
         }
     }
 }

@@ -57,6 +57,9 @@ typedef struct sekv_memory_params {
                                    by the learned router among the others */
     const int32_t * n_pinned;   /* [n_layer]: room for pinned rows per layer (question-time selection; see
                                    sekv_memory_set_layer_pins), or nullptr: no pins */
+    int32_t host_quant;         /* the host tier's tables (span factors and raw rows): 0 f16; 1 q8_0, 2 q4_0 (blocks of
+                                   32 values along each table row, quantized here from the f16 rows handed in;
+                                   every table row must then be whole blocks: rank * span_rows % 32 == 0) */
 } sekv_memory_params;
 
 SEKV_API const char * sekv_last_error(void);

@@ -25,7 +25,10 @@ class ModelInfo(ctypes.Structure):
 class MemoryParams(ctypes.Structure):
     _fields_ = [("exact_capacity", _c_int), ("n_spans", _c_int), ("span_rows", _c_int), ("rank", _c_int),
                 ("zoom_k", _c_int), ("summary_bias", _c_float), ("n_factored", _p), ("n_raw", _p),
-                ("scheduler", _c_int), ("router", _c_int), ("n_pinned", _p)]
+                ("scheduler", _c_int), ("router", _c_int), ("n_pinned", _p), ("host_quant", _c_int)]
+
+#: sekv_memory_params.host_quant of each host tier format
+HOST_QUANT_CODES = {"none": 0, "q8_0": 1, "q4_0": 2}
 
 
 class SpanRows(ctypes.Structure):
@@ -226,12 +229,13 @@ class NativeMemory(_Handle):
     def __init__(self, model: NativeModel, exact_capacity: int, n_spans: int, span_rows: int, rank: int,
                  zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray,
                  scheduler: bool = False, learned_router: bool = False, pin_rows: np.ndarray | None = None,
-                 union: bool = False) -> None:
+                 union: bool = False, host_quant: str = "none") -> None:
         """n_factored, n_raw [n_layer, 2]: spans each layer stores as factors / raw, keys then values.
         scheduler: step through ggml's multi-backend scheduler even on the CPU (a GPU model always does).
         learned_router: route with the model's learned router (set each layer's routing keys too); with union, only
         the second half of each pool (the first by the training-free rule).
-        pin_rows [n_layer]: room for each layer's pinned rows (question-time selection), None: no pins."""
+        pin_rows [n_layer]: room for each layer's pinned rows (question-time selection), None: no pins.
+        host_quant: the host tier's format, "none" (f16), "q8_0" or "q4_0" (quantized from the f16 rows set)."""
         self.model = model
         self.lib = model.lib
         counts = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in (n_factored, n_raw)]
@@ -243,7 +247,7 @@ class NativeMemory(_Handle):
         params = MemoryParams(exact_capacity, n_spans, span_rows, rank, zoom_k, summary_bias,
                               _ptr(counts[0]), _ptr(counts[1]), int(scheduler),
                               2 if learned_router and union else int(learned_router),
-                              None if self._pin_rows is None else _ptr(self._pin_rows))
+                              None if self._pin_rows is None else _ptr(self._pin_rows), HOST_QUANT_CODES[host_quant])
         self.handle = self.lib.sekv_memory_create(model.handle, ctypes.byref(params))
         if not self.handle:
             raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")

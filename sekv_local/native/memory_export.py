@@ -7,6 +7,7 @@ zero-padded to the longest span l and the largest stored rank R, and its raw spa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,7 +17,9 @@ import torch
 from ..cache.base import CachePolicy
 from ..cache.mixed_layers import MixedLayers
 from ..errors import SekvError
+from ..quant_blocks import QK
 from .bindings import NativeMemory, NativeModel, StoreRows
+from ..sekv.buffers import FlatBuffer, QuantFlatBuffer
 from ..sekv.factors import FactorStore
 from ..sekv.policy import SekvCache
 
@@ -85,11 +88,12 @@ def supported(cache: CachePolicy) -> str | None:
     return None
 
 
-def _gather(data: torch.Tensor, length: int, index: torch.Tensor) -> torch.Tensor:
-    """data[index] where valid; any value where masked later (an empty store has nothing to read)."""
-    if length == 0:
-        return torch.zeros(index.shape, dtype=data.dtype)
-    return data[index.clamp(0, length - 1)]
+def _gather(buffer: FlatBuffer | QuantFlatBuffer, index: torch.Tensor) -> torch.Tensor:
+    """The buffer's values at index where valid; any value where masked later (an empty store has nothing to
+    read)."""
+    if buffer.length == 0:
+        return torch.zeros(index.shape, dtype=torch.float16)
+    return buffer.take(index.clamp(0, buffer.length - 1))
 
 
 def decompressed_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, rows: int, values: bool,
@@ -125,17 +129,17 @@ def store_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, 
     rf, Lf = r[fac][:, None, None, None], L[fac][:, None, None, None]
     w_idx = store.w_off.view()[fac][:, None, None, None] + (h * rf + j[None, None, :, None]) * D \
         + torch.arange(D)[None, None, None, :]
-    w = torch.where(j[None, None, :, None] < rf, _gather(store.w.data, store.w.length, w_idx), 0)  # [F, KV, R, D]
+    w = torch.where(j[None, None, :, None] < rf, _gather(store.w, w_idx), 0)  # [F, KV, R, D]
     u_idx = store.u_off.view()[fac][:, None, None, None] + (h * Lf + t[None, None, :, None]) * rf \
         + j[None, None, None, :]
     u_ok = (t[None, None, :, None] < Lf) & (j[None, None, None, :] < rf)
-    u = torch.where(u_ok, _gather(store.u.data, store.u.length, u_idx), 0)  # [F, KV, l, R]
+    u = torch.where(u_ok, _gather(store.u, u_idx), 0)  # [F, KV, l, R]
     # raw: the span's rows [KV, L, D] at w_off
     raw_ids = raw.nonzero().flatten()
     Lr = L[raw_ids][:, None, None, None]
     x_idx = store.w_off.view()[raw_ids][:, None, None, None] + (h * Lr + t[None, None, :, None]) * D \
         + torch.arange(D)[None, None, None, :]
-    x = torch.where(t[None, None, :, None] < Lr, _gather(store.w.data, store.w.length, x_idx), 0)  # [n_raw, KV, l, D]
+    x = torch.where(t[None, None, :, None] < Lr, _gather(store.w, x_idx), 0)  # [n_raw, KV, l, D]
     if rotate is not None:
         x = rotate(x.float(), starts[raw_ids][:, None] + t[None, :])
     if values:
@@ -145,11 +149,22 @@ def store_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, 
                      x.to(half).contiguous().numpy())
 
 
-def read_bytes(stores: tuple[StoreRows, StoreRows], rows: int, rank: int, head_dim: int) -> np.ndarray:
+def read_bytes(stores: tuple[StoreRows, StoreRows], rows: int, rank: int, head_dim: int,
+               value_bytes: float = 2.0) -> np.ndarray:
     """Host bytes [S] the native step reads when one KV head zooms into each span: the span's slot in its
-    keys' and its values' table (raw rows l x D, or factors U l x R and W D x R), f16, padded as stored."""
-    raw_slot, factor_slot = rows * head_dim * 2, (rows + head_dim) * rank * 2
+    keys' and its values' table (raw rows l x D, or factors U l x R and W D x R), padded as stored, at
+    value_bytes per value (2 for f16; a quantized block's share of its scale included)."""
+    raw_slot, factor_slot = round(rows * head_dim * value_bytes), round((rows + head_dim) * rank * value_bytes)
     return sum(np.where(store.is_raw != 0, raw_slot, factor_slot).astype(np.int64) for store in stores)
+
+
+def native_rank(rank: int, rows: int, host_quant: str) -> int:
+    """The factor columns R of the native tables: the largest stored rank, raised where a quantized table's rows
+    (R x l values) must be whole blocks of 32 (the extra columns are zero)."""
+    if host_quant == "none":
+        return rank
+    step = QK // math.gcd(rows, QK)
+    return -(-rank // step) * step
 
 
 def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
@@ -163,7 +178,7 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
     rows = int(lengths.max()) if S else 1
     stores = [store for layer in cache.layers for store in (layer.fac_k, layer.fac_v)]
     factored = [store.rank.view()[~store.raw.view()] for store in stores]
-    rank = max([1] + [int(f.max()) for f in factored if f.numel()])
+    rank = native_rank(max([1] + [int(f.max()) for f in factored if f.numel()]), rows, cache.cfg.host_quant)
     starts = cache.span_pos.view().cpu()
 
     def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -190,7 +205,8 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
                                             pinned.mask_for(S).cpu().numpy())
         out.append(LayerExport(exact_k.cpu().half().numpy(), exact_v.cpu().half().numpy(),
                                layer.sum_k.view().cpu().half().numpy(), layer.sum_v.view().cpu().half().numpy(),
-                               keys, values, route_k, pins, read_bytes((keys, values), rows, rank, cache.config.head_dim)))
+                               keys, values, route_k, pins,
+                               read_bytes((keys, values), rows, rank, cache.config.head_dim, cache.host_value_bytes)))
     router = None
     if learned:
         router = (cache.router.q_proj.detach().float().cpu().numpy(),
@@ -232,7 +248,8 @@ def native_memory(model: NativeModel, cache: CachePolicy, room: int, decompress:
                           factored, raw,
                           scheduler=scheduler, learned_router=exported.router is not None,
                           union=sekv.router_kind == "union",
-                          pin_rows=None if pin_rows is None else per_model_layer(pin_rows))
+                          pin_rows=None if pin_rows is None else per_model_layer(pin_rows),
+                          host_quant=sekv.cfg.host_quant)
     try:
         memory.set_spans(exported.span_start, exported.span_len)
         for i, layer in zip(model_layers, exported.layers):

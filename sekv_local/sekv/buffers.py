@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..quant_blocks import BLOCK_BYTES, DEQUANTIZE, QK, QUANTIZE
+
 
 class FlatBuffer:
     """A 1-D tensor grown by 25% steps (its slack is counted as host memory); `data[:length]` is valid."""
@@ -35,6 +37,127 @@ class FlatBuffer:
         """Replace the contents (a saved memory)."""
         self.length = 0
         self.append(values)
+
+    @property
+    def value_bytes(self) -> float:
+        """Bytes one stored value takes."""
+        return float(self.data.element_size())
+
+    def take(self, index: torch.Tensor) -> torch.Tensor:
+        """Values at flat indexes (any shape, each < length), as stored."""
+        return self.data[index]
+
+    def rows(self, row: torch.Tensor, width: int) -> torch.Tensor:
+        """Whole rows [..., width] of the buffer read as [-1, width] rows (row index < length // width)."""
+        return self.data[: self.length - self.length % width].view(-1, width)[row]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What a saved memory keeps (suffix -> tensor)."""
+        return {"": self.valid()}
+
+    def load_state(self, parts: dict[str, torch.Tensor]) -> None:
+        if set(parts) != {""}:
+            raise ValueError("a block-quantized host tier cannot be read into an unquantized one (host_quant)")
+        self.load(parts[""])
+
+
+class QuantFlatBuffer:
+    """FlatBuffer's interface over llama.cpp's q8_0 / q4_0 blocks: scales f16 [capacity / 32] and quants
+    (int8 [capacity] for q8_0, two per byte [capacity / 2] for q4_0). Each append starts at a multiple of
+    `align` (a multiple of 32: whole blocks, so a truncation never cuts a block another append must fill) and is
+    zero padded to a whole block; reads dequantize only what they gather."""
+
+    def __init__(self, qtype: str, align: int = QK, pin: bool = False) -> None:
+        if qtype not in QUANTIZE:
+            raise ValueError(f"unknown block format {qtype!r}")
+        if align % QK:
+            raise ValueError(f"blocks of {QK} values need an alignment that is a multiple of {QK}, not {align}")
+        self.qtype, self.align = qtype, align
+        self.pin = pin and torch.cuda.is_available()
+        self.packed = qtype == "q4_0"  # two quants per byte
+        self.scales = torch.empty(0, dtype=torch.float16)
+        self.q = torch.empty(0, dtype=torch.uint8 if self.packed else torch.int8)
+        self.length = 0
+
+    @property
+    def value_bytes(self) -> float:
+        return BLOCK_BYTES[self.qtype] / QK
+
+    def _grow(self, values: int) -> None:
+        blocks = values // QK
+        if blocks <= self.scales.numel():
+            return
+        blocks = max(blocks, self.scales.numel() + self.scales.numel() // 4, 32)  # 1.25x: slack is counted
+        per_block = QK // 2 if self.packed else QK
+        for name, count in (("scales", blocks), ("q", blocks * per_block)):
+            old = getattr(self, name)
+            new = torch.empty(count, dtype=old.dtype, pin_memory=self.pin)
+            new[: old.numel()] = old
+            setattr(self, name, new)
+
+    def append(self, values: torch.Tensor) -> int:
+        """Append a 1-D tensor (quantized here); returns the offset where it starts."""
+        offset = -(-self.length // self.align) * self.align
+        n = int(values.numel())
+        padded = -(-n // QK) * QK
+        self._grow(offset + padded)
+        flat = torch.zeros(padded)
+        flat[:n] = values.reshape(-1).float()
+        scales, q = QUANTIZE[self.qtype](flat.view(-1, QK))
+        b0 = offset // QK
+        self.scales[b0: b0 + scales.numel()] = scales.reshape(-1)
+        q0 = b0 * (QK // 2 if self.packed else QK)
+        self.q[q0: q0 + q.numel()] = q.reshape(-1)
+        self.length = offset + n
+        return offset
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def take(self, index: torch.Tensor) -> torch.Tensor:
+        """Values at flat indexes (any shape, each < length), dequantized -> float32."""
+        block = index // QK
+        d = self.scales[block].float()
+        if not self.packed:
+            return self.q[index].float() * d
+        j = index % QK
+        byte = self.q[block * (QK // 2) + j % (QK // 2)]
+        nibble = torch.where(j < QK // 2, byte & 0x0F, byte >> 4)
+        return (nibble.float() - 8) * d
+
+    def rows(self, row: torch.Tensor, width: int) -> torch.Tensor:
+        """Whole rows -> float32 [..., width]; width must be a multiple of 32 and of every row's start."""
+        n_rows = self.length // width
+        scales = self.scales[: n_rows * width // QK].view(-1, width // QK)[row]
+        q = self.q[: n_rows * (width // 2 if self.packed else width)].view(n_rows, -1)[row]
+        return DEQUANTIZE[self.qtype](scales, q)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.scales, self.q]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        blocks = -(-self.length // QK)
+        q = blocks * (QK // 2 if self.packed else QK)
+        return {f".{self.qtype}.d": self.scales[:blocks], f".{self.qtype}.q": self.q[:q],
+                f".{self.qtype}.n": torch.tensor([self.length])}
+
+    def load_state(self, parts: dict[str, torch.Tensor]) -> None:
+        tag = f".{self.qtype}"
+        if set(parts) != {f"{tag}.d", f"{tag}.q", f"{tag}.n"}:
+            raise ValueError(f"this host tier is stored as {self.qtype}; the saved one is not (host_quant)")
+        length = int(parts[f"{tag}.n"][0])
+        blocks = -(-length // QK)
+        d, q = parts[f"{tag}.d"], parts[f"{tag}.q"]
+        if d.numel() != blocks or q.numel() != blocks * (QK // 2 if self.packed else QK):
+            raise ValueError("block-quantized host tier: scales, quants and length disagree")
+        self.length = 0
+        self._grow(blocks * QK)
+        self.scales[:blocks] = d.to(torch.float16)
+        self.q[: q.numel()] = q.to(self.q.dtype)
+        self.length = length
 
 
 class RowBuffer:

@@ -21,6 +21,7 @@ SHORTLIST_ROWS = 16384
 SHORTLIST_ABOVE = 65536
 SELECTIONS = ("question", "step")
 PREFILL_READS = ("pool", "read_budget")
+HOST_QUANTS = ("none", "q8_0", "q4_0")
 PIN_SCORES = ("max", "last", "mean", "lift")  # sekv/question.py: question_span_score
 #: what `pool=auto` runs once a trained router is loaded: its file names one ("fixed" when it does not)
 AUTO_POOLS = ("fixed", "free")
@@ -102,6 +103,9 @@ class SekvConfig:
     positions: "original" keeps every token's own position; "bounded" places all memory (spans,
         anchors) at positions inside the trained window (InfLLM-style), for documents longer than it.
     dtype: storage type of exact K/V, summaries and host factors.
+    host_quant: "none" keeps the host tier (span rows and factors) at `dtype`; "q8_0" or "q4_0" keeps it in
+        llama.cpp's blocks of 32 values (34 or 18 bytes per 32 values instead of 64 at f16), dequantized as a
+        zoom reads it: less host RAM, the same device tier (RESULTS "A block-quantized host tier").
     trained: use the model's trained router (baked into its GGUF, or packaged for a built-in model) when
         it has one; False runs the untrained defaults (an ablation).
     fill: with the learned router, fill the zoom pool with the best-ranked spans even where they fall below
@@ -143,6 +147,7 @@ class SekvConfig:
     summary_bias: float = 1.0
     positions: str = "original"
     dtype: str = "f16"
+    host_quant: str = "none"
     trained: bool = True
     fill: bool = True
     rank_gate: bool = True
@@ -181,6 +186,7 @@ class SekvConfig:
         need(self.pool in POOLS, f"pool must be one of {POOLS}")
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
         need(self.dtype in ("f16", "bf16", "f32"), "dtype must be f16, bf16 or f32")
+        need(self.host_quant in HOST_QUANTS, f"host_quant must be one of {HOST_QUANTS}")
         need(isinstance(self.trained, bool), "trained must be true or false")
         need(isinstance(self.fill, bool), "fill must be true or false")
         need(isinstance(self.rank_gate, bool), "rank_gate must be true or false")

@@ -5,21 +5,29 @@ length L, rank r and KV heads h: U (singular values folded in) as [KV, L, r] and
 When r (L + D) >= L D the factors would be larger than the span, so the span is stored raw
 ([KV, L, D] in the W area, no U) — the store is never larger than the raw keys.
 Packing and rebuilding are index arithmetic over all spans at once (no loops over spans or heads).
+With `quant` ("q8_0" / "q4_0") both areas are kept in llama.cpp's blocks of 32 values (QuantFlatBuffer):
+U blocks run along the flat area, W's along each row of D values; the singular values are then folded into W,
+not U (see `_append`). A rebuild dequantizes what it gathers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .buffers import FlatBuffer, VecBuffer
+from .buffers import FlatBuffer, QuantFlatBuffer, VecBuffer
 from .config import AUTO_RANK_RULES
 
 
 class FactorStore:
-    def __init__(self, n_kv: int, head_dim: int, dtype: torch.dtype, pin: bool = False) -> None:
+    def __init__(self, n_kv: int, head_dim: int, dtype: torch.dtype, pin: bool = False, quant: str | None = None) -> None:
         self.n_kv, self.head_dim = n_kv, head_dim
-        self.u = FlatBuffer(dtype, "cpu", pin)
-        self.w = FlatBuffer(dtype, "cpu", pin)
+        self.quant = quant
+        self.u: FlatBuffer | QuantFlatBuffer
+        self.w: FlatBuffer | QuantFlatBuffer
+        if quant is None:
+            self.u, self.w = FlatBuffer(dtype, "cpu", pin), FlatBuffer(dtype, "cpu", pin)
+        else:  # W rows start at multiples of D (whole rows are gathered), so D is the alignment
+            self.u, self.w = QuantFlatBuffer(quant, pin=pin), QuantFlatBuffer(quant, align=head_dim, pin=pin)
         self.u_off = VecBuffer(torch.long, "cpu")
         self.w_off = VecBuffer(torch.long, "cpu")
         self.rank = VecBuffer(torch.long, "cpu")  # rows of W per head: the rank, or L when raw
@@ -85,8 +93,13 @@ class FactorStore:
         u_flat = x.new_zeros(0)
         if svd is not None:
             U, sv, Vh = svd
+            if self.quant is not None:
+                # singular values go into W: U's orthonormal columns then hold values of one magnitude, so a block
+                # of 32 that runs across rows of U loses no row to another's scale (folded into U, a row of small
+                # tokens was read back with ~4% error at q8_0)
+                U, Vh, sv = U, Vh * sv[..., :, None], torch.ones_like(sv)
             t = torch.arange(l_max)
-            # U area: [S, KV, l_max, R] with singular values folded in; empty for raw spans
+            # U area: [S, KV, l_max, R] with singular values folded in (unquantized); empty for raw spans
             R = min(M, U.shape[-1])
             u_vals = U[..., :R] * sv[..., None, :R]
             u_mask = ((t[None, :, None] < lengths[:, None, None]) & (j[None, None, :R] < rank[:, None, None])
@@ -138,7 +151,7 @@ class FactorStore:
             u_idx = self.u_off.view()[f_spans][:, None, None] \
                 + (f_heads[:, None, None] * f_L[:, None, None] + t[None, :, None]) * f_r[:, None, None] + jf[None, None, :]
             u_ok = (t[None, :, None] < f_L[:, None, None]) & (jf[None, None, :] < f_r[:, None, None])
-            U = torch.where(u_ok, self.u.data[u_idx.clamp(max=max(self.u.length - 1, 0))].float(), 0.0)
+            U = torch.where(u_ok, self.u.take(u_idx.clamp(max=max(self.u.length - 1, 0))).float(), 0.0)
             out[fac] = U @ self._gather_w(spans, heads, r, d, fac, M)
         return out
 
@@ -152,11 +165,12 @@ class FactorStore:
         first = self.w_off.view()[spans[pick]][:, None] + (heads[pick][:, None] * rp[:, None] + j[None, :]) * D  # [p, M]
         w_ok = (j[None, :] < rp[:, None])[:, :, None]
         if d is None:  # every W row starts at a multiple of D: gather rows, not single values (D x fewer indices)
-            table = self.w.data[: self.w.length - self.w.length % D].view(-1, D)
-            rows = (first // D).clamp(max=max(table.shape[0] - 1, 0))
-            return torch.where(w_ok, table[rows].float(), 0.0) if table.shape[0] else torch.zeros(len(pick), M, D)
+            n_rows = self.w.length // D
+            if n_rows == 0:
+                return torch.zeros(len(pick), M, D)
+            return torch.where(w_ok, self.w.rows((first // D).clamp(max=n_rows - 1), D).float(), 0.0)
         w_idx = first[:, :, None] + d[pick]
-        return torch.where(w_ok, self.w.data[w_idx.clamp(max=max(self.w.length - 1, 0))].float(), 0.0)
+        return torch.where(w_ok, self.w.take(w_idx.clamp(max=max(self.w.length - 1, 0))).float(), 0.0)
 
     def stored_bytes(self, heads: torch.Tensor, spans: torch.Tensor, lengths: torch.Tensor,
                      width: int | None = None) -> int:
@@ -169,11 +183,11 @@ class FactorStore:
         L = lengths.cpu()[spans]
         w = self.head_dim if width is None else int(width)
         values = torch.where(self.raw.view()[spans], r * w, L * r + r * w)
-        return int(values.sum()) * self.w.data.element_size()
+        return round(int(values.sum()) * self.w.value_bytes)
 
     def all_bytes(self) -> int:
         """Host bytes of every stored span (what one pass over the whole store reads)."""
-        return (self.u.length + self.w.length) * self.w.data.element_size()
+        return round((self.u.length + self.w.length) * self.w.value_bytes)
 
     def truncate(self, n_spans: int) -> None:
         """Forget spans from index n_spans on."""
@@ -184,14 +198,19 @@ class FactorStore:
         for buf in (self.u_off, self.w_off, self.rank, self.raw):
             buf.truncate(n_spans)
 
-    _PARTS = ("u", "w", "u_off", "w_off", "rank", "raw")
+    _TABLES = ("u_off", "w_off", "rank", "raw")
 
     def export_state(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.{name}": (getattr(self, name).valid() if name in ("u", "w") else getattr(self, name).view())
-                for name in self._PARTS}
+        out = {f"{prefix}.{name}{suffix}": t for name in ("u", "w") for suffix, t in getattr(self, name).state().items()}
+        out.update({f"{prefix}.{name}": getattr(self, name).view() for name in self._TABLES})
+        return out
 
     def import_state(self, tensors: dict[str, torch.Tensor], prefix: str) -> None:
-        for name in self._PARTS:
+        for name in ("u", "w"):
+            head = f"{prefix}.{name}"
+            getattr(self, name).load_state({key[len(head):]: t for key, t in tensors.items()
+                                            if key == head or key.startswith(head + ".")})
+        for name in self._TABLES:
             getattr(self, name).load(tensors[f"{prefix}.{name}"])
         n = self.n_spans
         if not (self.u_off.length == self.w_off.length == self.raw.length == n):
@@ -200,4 +219,4 @@ class FactorStore:
             raise ValueError("span factor offsets point outside the stored factors")
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.u.data, self.w.data, self.u_off.data, self.w_off.data, self.rank.data, self.raw.data]
+        return [*self.u.tensors(), *self.w.tensors(), self.u_off.data, self.w_off.data, self.rank.data, self.raw.data]

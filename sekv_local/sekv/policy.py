@@ -23,6 +23,7 @@ from ..cache.base import CachePolicy, register_policy, storage_bytes
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
+from ..quant_blocks import BLOCK_BYTES, QK
 from .buffers import RowBuffer, VecBuffer
 from .config import FILE_CHOICES, SHORTLIST_ABOVE, SHORTLIST_ROWS, SekvConfig
 from .factors import FactorStore
@@ -86,6 +87,9 @@ class SekvCache(CachePolicy):
         self._settle_auto_options()
         dt = _DTYPES[self.cfg.dtype]
         KV, D = config.n_kv_heads, config.head_dim
+        if self.cfg.host_quant != "none" and D % QK:
+            raise SekvError(f"sekv: host_quant={self.cfg.host_quant} stores rows of head_dim values in blocks of {QK}; "
+                            f"this model's head_dim is {D}")
         dp = self.router.routing_dim
         pin = self.device.type == "cuda"
         dev = self.device
@@ -96,8 +100,9 @@ class SekvCache(CachePolicy):
             slot = layer % G
             if slot == 0:  # one store per window; G = 1: per layer, per KV head ([KV, L, r] x [KV, r, D])
                 width = min(G, config.n_layers - layer) * KV * D
-                stores = (FactorStore(KV, D, dt, pin), FactorStore(KV, D, dt, pin)) if G == 1 else \
-                    (FactorStore(1, width, dt, pin), FactorStore(1, width, dt, pin))
+                hq = None if self.cfg.host_quant == "none" else self.cfg.host_quant
+                stores = (FactorStore(KV, D, dt, pin, hq), FactorStore(KV, D, dt, pin, hq)) if G == 1 else \
+                    (FactorStore(1, width, dt, pin, hq), FactorStore(1, width, dt, pin, hq))
             self.layers.append(_Layer(RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
                                       RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
                                       RowBuffer(KV, D, dt, dev, step), RowBuffer(KV, D, dt, dev, step),
@@ -212,13 +217,20 @@ class SekvCache(CachePolicy):
 
     def _read_budget_slots(self) -> int:
         """Spans a decode step may route and rebuild per layer and KV head: the planned pool, capped by the
-        read budget at the worst case of a span (l_max raw rows of K and V at the cache dtype)."""
+        read budget at the worst case of a span (l_max raw rows of K and V as the host tier stores them)."""
         read = self.read_budget_bytes()
         if read is None:
             return self.zoom_k
         c = self.config
-        per_slot = c.n_layers * c.n_kv_heads * 2 * self.l_max * c.head_dim * _DTYPES[self.cfg.dtype].itemsize
+        per_slot = c.n_layers * c.n_kv_heads * 2 * self.l_max * c.head_dim * self.host_value_bytes
         return int(min(self.zoom_k, read // per_slot))
+
+    @property
+    def host_value_bytes(self) -> float:
+        """Bytes one value of the host tier takes (block-quantized: its share of a block's scale too)."""
+        if self.cfg.host_quant == "none":
+            return float(_DTYPES[self.cfg.dtype].itemsize)
+        return BLOCK_BYTES[self.cfg.host_quant] / QK
 
     def _plan_pool(self) -> None:
         full = self.config.full_kv_bytes(self.planned_tokens)
