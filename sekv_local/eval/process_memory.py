@@ -62,14 +62,16 @@ def measure(method: str, model: str, tokens: int, budget: float | None, engine: 
     from ..engines.factory import create_engine
     from ..models.registry import resolve_model
     from ..models.tokenizer import Tokenizer
+    from ..method_variant import split_variant
     from ..session import Session, SessionSettings
     from .tasks import generate_sample
 
     path = resolve_model(model, show_progress=False)
     tokenizer = Tokenizer(path)
     sample = generate_sample("niah_single", tokens, seed, lambda text: len(tokenizer.encode(text)))
-    settings = SessionSettings(model=model, engine=engine, method=method, budget=budget, threads=threads,
-                               max_new_tokens=answer_tokens)
+    base_method, options = split_variant(method)  # "sekv@host_quant=q8_0": a method with its options
+    settings = SessionSettings(model=model, engine=engine, method=base_method, budget=budget, threads=threads,
+                               max_new_tokens=answer_tokens, method_options=tuple(sorted(options.items())))
     eng = create_engine(engine, path, tokenizer, settings.engine_options())
     warm = Session(eng, Document.from_text(sample.document[:8000]), settings, path)
     warm.ingest()  # code paths and thread pools warm; the engine goes, the loaded model stays (cached per process)
@@ -111,14 +113,20 @@ def measure_in_fresh_process(method: str, model: str, tokens: int, budget: float
 def markdown(results: list[dict]) -> str:
     """One row per method: the report's parts, what the process grew by, and both denominators."""
     mib = 1 << 20
-    head = ("| method | device MiB | host MiB | kept MiB | total MiB | total % of full KV held | resident end MiB "
-            "| unreported end | reported peak MiB | resident peak MiB | unreported peak |\n" + "|---" * 11 + "|")
+    head = ("| method | device MiB | host MiB | kept MiB | total MiB | total % of full KV held "
+            "| total % of full KV, every layer | resident end MiB "
+            "| unreported end | reported peak MiB | resident peak MiB | unreported peak |\n" + "|---" * 12 + "|")
     rows = []
     for r in results:
+        name = f"{r['method']}{'' if r['engine'] == 'torch' else ' (' + r['engine'] + ')'}"
+        if "error" in r:
+            rows.append(f"| {name} | {r['error']} |" + " |" * 10)
+            continue
         held = r.get("full_kv_held_bytes") or r["full_kv_bytes"]
-        rows.append(f"| {r['method']}{'' if r['engine'] == 'torch' else ' (' + r['engine'] + ')'} "
+        rows.append(f"| {name} "
                     f"| {r['device_bytes'] / mib:.1f} | {r['host_bytes'] / mib:.1f} | {r['checkpoint_bytes'] / mib:.1f} "
                     f"| {r['reported_end_bytes'] / mib:.1f} | {100 * r['reported_end_bytes'] / held:.1f} "
+                    f"| {100 * r['reported_end_bytes'] / r['full_kv_bytes']:.1f} "
                     f"| {r['resident_end_growth'] / mib:.1f} | {100 * r['unreported_end']:+.1f}% "
                     f"| {r['reported_peak_bytes'] / mib:.1f} | {r['resident_peak_growth'] / mib:.1f} "
                     f"| {100 * r['unreported_peak']:+.1f}% |")
@@ -151,7 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     mib = 1 << 20
     for method in methods:
-        r = measure_in_fresh_process(method, args.model, args.tokens, budget_of(method), args.engine, args.threads)
+        try:
+            r = measure_in_fresh_process(method, args.model, args.tokens, budget_of(method), args.engine, args.threads)
+        except RuntimeError as e:  # a method that cannot read this document (refused, or failed): its row says why
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            results.append({"method": method, "engine": args.engine, "error": lines[-1][:200] if lines else "failed"})
+            print(f"{method:12s} ({args.engine}, {args.model}, {args.tokens} tokens): {results[-1]['error']}", flush=True)
+            continue
         results.append(r.as_dict())
         print(f"{r.method:12s} ({r.engine}, {r.model}, {r.tokens} tokens): resident growth peak "
               f"{r.resident_peak_growth / mib:6.1f} MiB, end {r.resident_end_growth / mib:6.1f} MiB; reported "
