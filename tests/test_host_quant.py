@@ -9,7 +9,7 @@ from sekv_local.cache import create_policy
 from sekv_local.errors import SekvError
 from sekv_local.models.config import ModelConfig
 from sekv_local.models.rope import Rope
-from sekv_local.quant_blocks import DEQUANTIZE, QUANTIZE
+from sekv_local.quant_blocks import DEQUANTIZE, QUANTIZE, to_ggml_bytes
 from sekv_local.sekv.buffers import QuantFlatBuffer
 from sekv_local.sekv.factors import FactorStore
 
@@ -29,6 +29,8 @@ def test_quant_buffer_reads_back_what_ggml_blocks_hold(qtype: str) -> None:
     assert torch.equal(buf.take(idx), want_a[idx])
     assert torch.equal(buf.take(256 + torch.arange(128)), want_b)
     assert torch.equal(buf.rows(torch.tensor([4, 5]), 64), want_b.view(2, 64))
+    # the stored bytes are ggml's blocks (a tensor of that type could read them in place)
+    assert torch.equal(buf.blocks[8:12], to_ggml_bytes(*QUANTIZE[qtype](b.view(-1, 32)), qtype))
     # a truncation then an append: the next write starts at a whole block, nothing before it changes
     buf.truncate(200)
     assert buf.append(b[:64]) == 256 and torch.equal(buf.take(torch.arange(200)), want_a)

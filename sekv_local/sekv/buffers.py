@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant_blocks import BLOCK_BYTES, DEQUANTIZE, QK, QUANTIZE
+from ..quant_blocks import BLOCK_BYTES, DEQUANTIZE, QK, QUANTIZE, to_ggml_bytes
 
 
 class FlatBuffer:
@@ -65,8 +65,9 @@ class FlatBuffer:
 
 
 class QuantFlatBuffer:
-    """FlatBuffer's interface over llama.cpp's q8_0 / q4_0 blocks: scales f16 [capacity / 32] and quants
-    (int8 [capacity] for q8_0, two per byte [capacity / 2] for q4_0). Each append starts at a multiple of
+    """FlatBuffer's interface over llama.cpp's q8_0 / q4_0 blocks, stored as ggml lays them out: uint8
+    [capacity / 32, block bytes], each block its f16 scale then its quants (32 int8, or 16 bytes of two 4-bit
+    quants), so the bytes are what a ggml tensor of that type holds. Each append starts at a multiple of
     `align` (a multiple of 32: whole blocks, so a truncation never cuts a block another append must fill) and is
     zero padded to a whole block; reads dequantize only what they gather."""
 
@@ -78,8 +79,7 @@ class QuantFlatBuffer:
         self.qtype, self.align = qtype, align
         self.pin = pin and torch.cuda.is_available()
         self.packed = qtype == "q4_0"  # two quants per byte
-        self.scales = torch.empty(0, dtype=torch.float16)
-        self.q = torch.empty(0, dtype=torch.uint8 if self.packed else torch.int8)
+        self.blocks = torch.empty(0, BLOCK_BYTES[qtype], dtype=torch.uint8)
         self.length = 0
 
     @property
@@ -87,76 +87,75 @@ class QuantFlatBuffer:
         return BLOCK_BYTES[self.qtype] / QK
 
     def _grow(self, values: int) -> None:
-        blocks = values // QK
-        if blocks <= self.scales.numel():
+        need = values // QK
+        have = self.blocks.shape[0]
+        if need <= have:
             return
-        blocks = max(blocks, self.scales.numel() + self.scales.numel() // 4, 32)  # 1.25x: slack is counted
-        per_block = QK // 2 if self.packed else QK
-        for name, count in (("scales", blocks), ("q", blocks * per_block)):
-            old = getattr(self, name)
-            new = torch.empty(count, dtype=old.dtype, pin_memory=self.pin)
-            new[: old.numel()] = old
-            setattr(self, name, new)
+        capacity = max(need, have + have // 4, 32)  # 1.25x: slack is counted
+        new = torch.empty(capacity, self.blocks.shape[1], dtype=torch.uint8, pin_memory=self.pin)
+        new[:have] = self.blocks
+        self.blocks = new
 
     def append(self, values: torch.Tensor) -> int:
         """Append a 1-D tensor (quantized here); returns the offset where it starts."""
         offset = -(-self.length // self.align) * self.align
         n = int(values.numel())
+        if n == 0:
+            return offset
         padded = -(-n // QK) * QK
         self._grow(offset + padded)
         flat = torch.zeros(padded)
         flat[:n] = values.reshape(-1).float()
         scales, q = QUANTIZE[self.qtype](flat.view(-1, QK))
         b0 = offset // QK
-        self.scales[b0: b0 + scales.numel()] = scales.reshape(-1)
-        q0 = b0 * (QK // 2 if self.packed else QK)
-        self.q[q0: q0 + q.numel()] = q.reshape(-1)
+        self.blocks[b0: b0 + padded // QK] = to_ggml_bytes(scales, q, self.qtype)
         self.length = offset + n
         return offset
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    @staticmethod
+    def _scales(blocks: torch.Tensor) -> torch.Tensor:
+        """blocks uint8 [..., block bytes] -> their f16 scales as float32 [...]."""
+        return blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+
     def take(self, index: torch.Tensor) -> torch.Tensor:
         """Values at flat indexes (any shape, each < length), dequantized -> float32."""
-        block = index // QK
-        d = self.scales[block].float()
+        block, j = index // QK, index % QK
+        d = self._scales(self.blocks[block])
         if not self.packed:
-            return self.q[index].float() * d
-        j = index % QK
-        byte = self.q[block * (QK // 2) + j % (QK // 2)]
+            return self.blocks[block, 2 + j].view(torch.int8).float() * d
+        byte = self.blocks[block, 2 + j % (QK // 2)]
         nibble = torch.where(j < QK // 2, byte & 0x0F, byte >> 4)
         return (nibble.float() - 8) * d
 
     def rows(self, row: torch.Tensor, width: int) -> torch.Tensor:
         """Whole rows -> float32 [..., width]; width must be a multiple of 32 and of every row's start."""
+        per_row = width // QK
         n_rows = self.length // width
-        scales = self.scales[: n_rows * width // QK].view(-1, width // QK)[row]
-        q = self.q[: n_rows * (width // 2 if self.packed else width)].view(n_rows, -1)[row]
-        return DEQUANTIZE[self.qtype](scales, q)
+        blocks = self.blocks[: n_rows * per_row].view(n_rows, per_row, -1)[row]  # [..., per_row, block bytes]
+        quants = blocks[..., 2:].reshape(*blocks.shape[:-2], -1)
+        return DEQUANTIZE[self.qtype](self._scales(blocks).half(), quants.view(torch.int8) if not self.packed else quants)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.scales, self.q]
+        return [self.blocks]
 
     def state(self) -> dict[str, torch.Tensor]:
-        blocks = -(-self.length // QK)
-        q = blocks * (QK // 2 if self.packed else QK)
-        return {f".{self.qtype}.d": self.scales[:blocks], f".{self.qtype}.q": self.q[:q],
+        return {f".{self.qtype}.blocks": self.blocks[: -(-self.length // QK)],
                 f".{self.qtype}.n": torch.tensor([self.length])}
 
     def load_state(self, parts: dict[str, torch.Tensor]) -> None:
         tag = f".{self.qtype}"
-        if set(parts) != {f"{tag}.d", f"{tag}.q", f"{tag}.n"}:
+        if set(parts) != {f"{tag}.blocks", f"{tag}.n"}:
             raise ValueError(f"this host tier is stored as {self.qtype}; the saved one is not (host_quant)")
         length = int(parts[f"{tag}.n"][0])
-        blocks = -(-length // QK)
-        d, q = parts[f"{tag}.d"], parts[f"{tag}.q"]
-        if d.numel() != blocks or q.numel() != blocks * (QK // 2 if self.packed else QK):
-            raise ValueError("block-quantized host tier: scales, quants and length disagree")
+        blocks = parts[f"{tag}.blocks"]
+        if blocks.dim() != 2 or blocks.shape != (-(-length // QK), BLOCK_BYTES[self.qtype]):
+            raise ValueError("block-quantized host tier: blocks and length disagree")
         self.length = 0
-        self._grow(blocks * QK)
-        self.scales[:blocks] = d.to(torch.float16)
-        self.q[: q.numel()] = q.to(self.q.dtype)
+        self._grow(blocks.shape[0] * QK)
+        self.blocks[: blocks.shape[0]] = blocks.to(torch.uint8)
         self.length = length
 
 
