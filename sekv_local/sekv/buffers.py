@@ -108,6 +108,7 @@ class QuantFlatBuffer:
         flat[:n] = values.reshape(-1).float()
         scales, q = QUANTIZE[self.qtype](flat.view(-1, QK))
         b0 = offset // QK
+        self.blocks[-(-self.length // QK): b0] = 0  # the alignment gap: zeros, not whatever the allocation held
         self.blocks[b0: b0 + padded // QK] = to_ggml_bytes(scales, q, self.qtype)
         self.length = offset + n
         return offset
@@ -117,13 +118,13 @@ class QuantFlatBuffer:
 
     @staticmethod
     def _scales(blocks: torch.Tensor) -> torch.Tensor:
-        """blocks uint8 [..., block bytes] -> their f16 scales as float32 [...]."""
-        return blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
+        """blocks uint8 [..., block bytes] -> their scales f16 [...]."""
+        return blocks[..., :2].contiguous().view(torch.float16)[..., 0]
 
     def take(self, index: torch.Tensor) -> torch.Tensor:
         """Values at flat indexes (any shape, each < length), dequantized -> float32."""
         block, j = index // QK, index % QK
-        d = self._scales(self.blocks[block])
+        d = self._scales(self.blocks[block]).float()
         if not self.packed:
             return self.blocks[block, 2 + j].view(torch.int8).float() * d
         byte = self.blocks[block, 2 + j % (QK // 2)]
@@ -136,7 +137,7 @@ class QuantFlatBuffer:
         n_rows = self.length // width
         blocks = self.blocks[: n_rows * per_row].view(n_rows, per_row, -1)[row]  # [..., per_row, block bytes]
         quants = blocks[..., 2:].reshape(*blocks.shape[:-2], -1)
-        return DEQUANTIZE[self.qtype](self._scales(blocks).half(), quants.view(torch.int8) if not self.packed else quants)
+        return DEQUANTIZE[self.qtype](self._scales(blocks), quants.view(torch.int8) if not self.packed else quants)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.blocks]

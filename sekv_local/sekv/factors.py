@@ -93,15 +93,16 @@ class FactorStore:
         u_flat = x.new_zeros(0)
         if svd is not None:
             U, sv, Vh = svd
-            if self.quant is not None:
-                # singular values go into W: U's orthonormal columns then hold values of one magnitude, so a block
-                # of 32 that runs across rows of U loses no row to another's scale (folded into U, a row of small
-                # tokens was read back with ~4% error at q8_0)
-                U, Vh, sv = U, Vh * sv[..., :, None], torch.ones_like(sv)
+            # quantized: the singular values go into W, so U's orthonormal columns hold values of one magnitude and
+            # a block of 32 that runs across rows of U loses no row to another's scale (folded into U, a row of
+            # small tokens was read back with ~4% error at q8_0); unquantized: into U
+            into_w = self.quant is not None
             t = torch.arange(l_max)
-            # U area: [S, KV, l_max, R] with singular values folded in (unquantized); empty for raw spans
+            # U area: [S, KV, l_max, R]; empty for raw spans
             R = min(M, U.shape[-1])
-            u_vals = U[..., :R] * sv[..., None, :R]
+            u_vals = U[..., :R] if into_w else U[..., :R] * sv[..., None, :R]
+            if into_w:
+                Vh = Vh * sv[..., :, None]
             u_mask = ((t[None, :, None] < lengths[:, None, None]) & (j[None, None, :R] < rank[:, None, None])
                       & ~raw[:, None, None])  # [S, l_max, R]
             u_flat = u_vals[u_mask[:, None].expand(S, KV, l_max, R)]
