@@ -8,6 +8,12 @@
 #include <vector>
 
 static bool ready(const sekv_memory * mem) {
+    const sekv_host_rows * shared = mem->params.host_rows;
+    if (shared != nullptr && (shared->generation != mem->host_generation ||
+                              sekv_host_rows_held(shared) < mem->params.n_spans)) {
+        sekv_set_error("the host rows this memory reads were moved or replaced since it was made: make a new memory");
+        return false;
+    }
     if (!mem->spans_set) {
         sekv_set_error("the span table was never set (sekv_memory_set_spans)");
         return false;

@@ -80,9 +80,30 @@ struct sekv_layer_tensors {
     int32_t n_raw[2] = {0, 0};
 };
 
+// sekv_host_rows (sekv_host_rows.cpp): per global layer rk f16 [D*l, capacity+1, KV] and rvt [l*D, capacity+1, KV]
+// (or their block-quantized types), the last slot zero; nullptr for a sliding-window layer.
+struct sekv_host_rows {
+    sekv_model * model = nullptr;
+    int32_t span_rows = 0, host_quant = 0;
+    int32_t capacity = 0;
+    std::vector<int32_t> count;  // spans each layer holds (0 for a sliding-window layer)
+    // bumped when tables move (growth) or held spans are replaced: a memory made at another generation stops
+    uint64_t generation = 0;
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    std::vector<ggml_tensor *> rk, rvt;
+};
+
+int32_t sekv_host_rows_held(const sekv_host_rows * rows);  // the least count over global layers
+
+// [S][KV][width] f16 -> rows first .. first + S - 1 of a [width, *, KV] table (the span and head axes swapped), each
+// row quantized to the table's type where it is not f16
+void sekv_set_span_major(ggml_tensor * dst, const uint16_t * src, int64_t first, int64_t S, int64_t KV, int64_t width);
+
 struct sekv_memory {
     sekv_model * model = nullptr;
     sekv_memory_params params{};
+    uint64_t host_generation = 0;  // params.host_rows' generation when the memory was made
     int32_t n_exact = 0;  // valid exact rows (the same in every layer)
     std::vector<int32_t> layer_exact;  // rows set per layer by the import (must agree before decoding)
     int32_t ring = 0;                  // C: rows of each sliding-window layer's ring (0: the model has none)

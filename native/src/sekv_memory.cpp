@@ -52,6 +52,24 @@ static bool check_params(const sekv_memory_params & p, const sekv_model & model)
         sekv_set_error("sekv_memory_params: summary_bias must be >= 0");
         return false;
     }
+    if (p.host_rows != nullptr) {
+        const sekv_host_rows & rows = *p.host_rows;
+        if (rows.model != &model || rows.span_rows != p.span_rows || rows.host_quant != p.host_quant) {
+            sekv_set_error("sekv_memory_params: host_rows of another model, span_rows or host_quant");
+            return false;
+        }
+        if (sekv_host_rows_held(&rows) < p.n_spans) {
+            sekv_set_error("sekv_memory_params: host_rows hold " + std::to_string(sekv_host_rows_held(&rows)) +
+                           " spans, the memory has " + std::to_string(p.n_spans));
+            return false;
+        }
+        for (int32_t i = 0; i < 2 * info.n_layer; ++i) {
+            if (!model.local[i / 2] && p.n_factored[i] != 0) {
+                sekv_set_error("sekv_memory_params: a memory on host_rows stores every span raw (n_factored == 0)");
+                return false;
+            }
+        }
+    }
     return true;
 }
 
@@ -72,6 +90,8 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
     auto * mem = new sekv_memory();
     mem->model = model;
     mem->params = *params;
+    const sekv_host_rows * shared = params->host_rows;
+    mem->host_generation = shared != nullptr ? shared->generation : 0;
     // the caller's arrays: copied per layer below
     mem->params.n_factored = mem->params.n_raw = mem->params.n_pinned = nullptr;
     const int64_t L = info.n_layer, KV = info.n_head_kv, D = info.head_dim;
@@ -103,12 +123,17 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
         t.evt = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, cap, D, KV);
         t.sk = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, D, S, KV);
         t.svt = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_F16, S, D, KV);
-        t.uk = ggml_new_tensor_3d(mem->host_ctx, host, R * l, Fk, KV);
-        t.wk = ggml_new_tensor_3d(mem->host_ctx, host, R * D, Fk, KV);
-        t.uv = ggml_new_tensor_3d(mem->host_ctx, host, R * l, Fv, KV);
-        t.wv = ggml_new_tensor_3d(mem->host_ctx, host, R * D, Fv, KV);
-        t.rk = ggml_new_tensor_3d(mem->host_ctx, host, D * l, Wk, KV);
-        t.rvt = ggml_new_tensor_3d(mem->host_ctx, host, l * D, Wv, KV);
+        if (shared != nullptr) {  // every span raw, span s in row s of the shared tables
+            t.rk = shared->rk[(size_t) il];
+            t.rvt = shared->rvt[(size_t) il];
+        } else {
+            t.uk = ggml_new_tensor_3d(mem->host_ctx, host, R * l, Fk, KV);
+            t.wk = ggml_new_tensor_3d(mem->host_ctx, host, R * D, Fk, KV);
+            t.uv = ggml_new_tensor_3d(mem->host_ctx, host, R * l, Fv, KV);
+            t.wv = ggml_new_tensor_3d(mem->host_ctx, host, R * D, Fv, KV);
+            t.rk = ggml_new_tensor_3d(mem->host_ctx, host, D * l, Wk, KV);
+            t.rvt = ggml_new_tensor_3d(mem->host_ctx, host, l * D, Wv, KV);
+        }
         t.k_fslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
         t.k_rslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
         t.v_fslot = ggml_new_tensor_3d(mem->device_ctx, GGML_TYPE_I32, 1, S, KV);
@@ -136,17 +161,21 @@ sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * 
         host_buft = ggml_backend_get_default_buffer_type(model->cpu);
     }
     mem->device_buf = ggml_backend_alloc_ctx_tensors_from_buft(mem->device_ctx, ggml_backend_get_default_buffer_type(main));
-    mem->host_buf = ggml_backend_alloc_ctx_tensors_from_buft(mem->host_ctx, host_buft);
-    if (mem->device_buf == nullptr || mem->host_buf == nullptr) {
+    if (shared == nullptr) {
+        mem->host_buf = ggml_backend_alloc_ctx_tensors_from_buft(mem->host_ctx, host_buft);
+    }
+    if (mem->device_buf == nullptr || (shared == nullptr && mem->host_buf == nullptr)) {
         sekv_set_error("could not allocate the SeKV memory buffers");
         sekv_memory_free(mem);
         return nullptr;
     }
-    // the scheduler runs an op where its "weights" live: ops reading the host tier stay on the CPU, so only
-    // the rows they gather cross to the GPU
-    ggml_backend_buffer_set_usage(mem->host_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_backend_buffer_clear(mem->device_buf, 0);
-    ggml_backend_buffer_clear(mem->host_buf, 0);
+    if (mem->host_buf != nullptr) {
+        // the scheduler runs an op where its "weights" live: ops reading the host tier stay on the CPU, so only
+        // the rows they gather cross to the GPU
+        ggml_backend_buffer_set_usage(mem->host_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(mem->host_buf, 0);
+    }
     std::vector<float> ninf((size_t) (k * KV), -INFINITY);
     ggml_backend_tensor_set(mem->neg_inf, ninf.data(), 0, ggml_nbytes(mem->neg_inf));
     mem->layer_exact.assign(L, 0);
@@ -263,16 +292,14 @@ int sekv_memory_set_spans(sekv_memory * mem, const int32_t * start, const int32_
     return 0;
 }
 
-// [S][KV][width] f16 -> a [width, S, KV] tensor (swap the span and head axes), each row quantized to the
-// tensor's type where it is not f16
-static void set_span_major(ggml_tensor * dst, const uint16_t * src, int64_t S, int64_t KV, int64_t width) {
+void sekv_set_span_major(ggml_tensor * dst, const uint16_t * src, int64_t first, int64_t S, int64_t KV, int64_t width) {
     const bool f16 = dst->type == GGML_TYPE_F16;
     std::vector<float> row(f16 ? 0 : (size_t) width);
     std::vector<uint8_t> packed(f16 ? 0 : ggml_row_size(dst->type, width));
     for (int64_t h = 0; h < KV; ++h) {
         for (int64_t s = 0; s < S; ++s) {
             const uint16_t * from = src + (s * KV + h) * width;
-            const size_t at = (size_t) (h * dst->nb[2] + s * dst->nb[1]);
+            const size_t at = (size_t) (h * dst->nb[2] + (first + s) * dst->nb[1]);
             if (f16) {
                 ggml_backend_tensor_set(dst, from, at, (size_t) width * 2);
                 continue;
@@ -305,9 +332,9 @@ static bool set_store(sekv_memory * mem, const sekv_span_rows & rows, ggml_tenso
     }
     ggml_backend_tensor_set(fslot, f.data(), 0, f.size() * 4);
     ggml_backend_tensor_set(rslot, r.data(), 0, r.size() * 4);
-    set_span_major(u, rows.u, nf, KV, l * R);
-    set_span_major(w, rows.w, nf, KV, D * R);
-    set_span_major(raw, rows.raw, nr, KV, l * D);
+    sekv_set_span_major(u, rows.u, 0, nf, KV, l * R);
+    sekv_set_span_major(w, rows.w, 0, nf, KV, D * R);
+    sekv_set_span_major(raw, rows.raw, 0, nr, KV, l * D);
     return true;
 }
 
@@ -319,6 +346,23 @@ int sekv_memory_set_layer_spans(sekv_memory * mem, int32_t layer, const uint16_t
     auto & t = mem->layers[layer];
     set_rows_by_head(t.sk, sum_k, S, D, KV, false);
     set_rows_by_head(t.svt, sum_v, S, D, KV, true);
+    if (mem->params.host_rows != nullptr) {
+        if (keys != nullptr || values != nullptr) {
+            sekv_set_error("this memory reads its spans from host_rows: set_layer_spans takes summaries only");
+            return -1;
+        }
+        std::vector<int32_t> slot((size_t) (S * KV));
+        for (int64_t h = 0; h < KV; ++h) {
+            for (int64_t s = 0; s < S; ++s) slot[(size_t) (h * S + s)] = (int32_t) s;
+        }
+        for (ggml_tensor * table : {t.k_rslot, t.v_rslot}) ggml_backend_tensor_set(table, slot.data(), 0, slot.size() * 4);
+        mem->layer_spans_set[layer] = true;
+        return 0;
+    }
+    if (keys == nullptr || values == nullptr) {
+        sekv_set_error("set_layer_spans: keys and values rows are needed (the memory has its own host tier)");
+        return -1;
+    }
     if (!set_store(mem, *keys, t.uk, t.wk, t.rk, t.k_fslot, t.k_rslot, t.n_factored[0], t.n_raw[0]) ||
         !set_store(mem, *values, t.uv, t.wv, t.rvt, t.v_fslot, t.v_rslot, t.n_factored[1], t.n_raw[1])) {
         return -1;
@@ -437,7 +481,7 @@ int sekv_memory_bytes(const sekv_memory * mem, uint64_t * device, uint64_t * hos
     if (mem->params.router && mem->model->router_buf != nullptr) {
         *device += ggml_backend_buffer_get_size(mem->model->router_buf);
     }
-    *host = ggml_backend_buffer_get_size(mem->host_buf);
+    *host = mem->host_buf != nullptr ? ggml_backend_buffer_get_size(mem->host_buf) : 0;  // borrowed rows: their own
     *compute = 0;
     if (mem->allocr) {
         *compute = ggml_gallocr_get_buffer_size(mem->allocr, 0);

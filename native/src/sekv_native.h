@@ -25,6 +25,7 @@ extern "C" {
 
 typedef struct sekv_model sekv_model;
 typedef struct sekv_memory sekv_memory;
+typedef struct sekv_host_rows sekv_host_rows;
 
 typedef struct sekv_model_info {
     int32_t n_layer;
@@ -60,6 +61,10 @@ typedef struct sekv_memory_params {
     int32_t host_quant;         /* the host tier's tables (span factors and raw rows): 0 f16; 1 q8_0, 2 q4_0 (blocks of
                                    32 values along each table row, quantized here from the f16 rows handed in;
                                    every table row must then be whole blocks: rank * span_rows % 32 == 0) */
+    const sekv_host_rows * host_rows; /* nullptr: the memory allocates its own host tier. Otherwise its spans are
+                                   read from these rows, which outlive it (every span raw, n_raw == n_spans,
+                                   span_rows and host_quant those of the rows); sekv_memory_set_layer_spans then
+                                   takes no rows, only summaries */
 } sekv_memory_params;
 
 SEKV_API const char * sekv_last_error(void);
@@ -92,6 +97,25 @@ SEKV_API int sekv_model_set_router(sekv_model * model, int32_t routing_dim, cons
 SEKV_API int32_t sekv_model_router_dim(const sekv_model * model);
 SEKV_API int sekv_model_get_router(const sekv_model * model, float * q_proj, float * threshold);
 
+/* A host tier of raw span rows that outlives the memories reading it: a document's spans are added as they are
+ * made, so a new memory (each question's, each prefill chunk's) borrows them instead of copying the whole tier.
+ * Every global layer holds the same spans [0, count), each a slot of span_rows rows (keys rotated at their own
+ * positions, values transposed, as sekv_span_rows' raw), in f16 or block-quantized (host_quant as in
+ * sekv_memory_params). Room grows by itself; growing, or replacing spans a memory may read, makes every memory
+ * made before fail its next step (it would read freed or changed rows) rather than read them. */
+SEKV_API sekv_host_rows * sekv_host_rows_create(sekv_model * model, int32_t span_rows, int32_t host_quant);
+SEKV_API void sekv_host_rows_free(sekv_host_rows * rows);
+/* Room for n_spans spans per layer (allocated now; never less than the spans held). */
+SEKV_API int sekv_host_rows_reserve(sekv_host_rows * rows, int32_t n_spans);
+/* One global layer's spans [first, first + n): k [n][KV][l][D], v [n][KV][D][l]. first <= the layer's count;
+ * spans from first on are replaced, the layer then holds first + n. */
+SEKV_API int sekv_host_rows_set(sekv_host_rows * rows, int32_t layer, int32_t first, int32_t n, const uint16_t * k,
+                                const uint16_t * v);
+/* Spans every global layer holds. */
+SEKV_API int32_t sekv_host_rows_count(const sekv_host_rows * rows);
+/* Bytes of its buffer (the room allocated, held or not). */
+SEKV_API uint64_t sekv_host_rows_bytes(const sekv_host_rows * rows);
+
 SEKV_API sekv_memory * sekv_memory_create(sekv_model * model, const sekv_memory_params * params);
 SEKV_API void sekv_memory_free(sekv_memory * memory);
 
@@ -113,7 +137,8 @@ typedef struct sekv_span_rows {
     const uint16_t * raw;
 } sekv_span_rows;
 
-/* One layer's spans: summaries sum_k, sum_v [KV][S][D] (sum_k post-RoPE at the span centre) and rows. */
+/* One layer's spans: summaries sum_k, sum_v [KV][S][D] (sum_k post-RoPE at the span centre) and rows (keys and
+ * values nullptr for a memory that borrows sekv_host_rows: span s is its row s). */
 SEKV_API int sekv_memory_set_layer_spans(sekv_memory * memory, int32_t layer,
                                          const uint16_t * sum_k, const uint16_t * sum_v,
                                          const sekv_span_rows * keys, const sekv_span_rows * values);

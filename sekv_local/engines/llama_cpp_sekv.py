@@ -88,6 +88,10 @@ class LlamaCppSekvEngine(Engine):
         on_gpu = torch.device(self.reference.device).type == "cuda"
         self.native_model = load_native_model(str(gguf_path), options.threads or os.cpu_count() or 1, on_gpu)
         self.native: Any = None  # NativeMemory, built from the torch memory when decoding starts
+        from ..native.host_rows import HostRowsMirror
+
+        # host=rows: every span's rows, kept between native memories (each chunk's and question's borrows them)
+        self.host_rows = HostRowsMirror(self.native_model) if self.host_form == "rows" else None
         self.pending: list[int] = []  # decoded natively, not yet in the torch memory
         self.pending_nll: list[float] = []  # each pending token's surprisal under the logits that chose it
         self._native_last: np.ndarray | None = None  # the last native decode step's logits
@@ -181,13 +185,20 @@ class LlamaCppSekvEngine(Engine):
             self.native.close()
             self.native = None
 
+    def _synced_host_rows(self) -> Any:
+        """The host rows holding every span of the torch memory now (None with host=factors); no native memory may
+        be alive (a sync may move the rows)."""
+        if self.host_rows is None:
+            return None
+        return self.host_rows.sync(self.sekv, self.sekv_layers)
+
     def _import(self) -> None:
         from ..native.memory_export import native_memory
 
         cache = self.reference.cache
         # folding back the room's tokens is one torch chunk
         room = self._within_window(min(DECODE_ROOM, self.sekv.chunk_tokens))
-        self.native = native_memory(self.native_model, cache, room, decompress=self.host_form == "rows")
+        self.native = native_memory(self.native_model, cache, room, host_rows=self._synced_host_rows())
         self.native_capacity = self.native.n_exact + room
         rows = cache.score_rows(torch.zeros(0, dtype=torch.long))  # the shortlist as it stands (sorted ids)
         self._score_rows = None if rows is None else rows.numpy()
@@ -238,6 +249,8 @@ class LlamaCppSekvEngine(Engine):
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
         """One prefill chunk at reference.n_tokens: read natively unless it is a question's (or prefill=torch)."""
         ref, cache, sekv = self.reference, self.reference.cache, self.sekv
+        # the spans the last chunk made join the host rows now, while the document is read, not at the question
+        host_rows = self._synced_host_rows()
         if self.prefill == "torch" or sekv.is_question_chunk(is_prefill=True):
             return ref._forward(tokens, prefill=True)
         from ..models.transformer import ChunkScores
@@ -245,9 +258,8 @@ class LlamaCppSekvEngine(Engine):
 
         cache.begin_chunk(torch.arange(ref.n_tokens, ref.n_tokens + len(tokens), device=ref.device), is_prefill=True)
         # the memory as the torch books hold it now, with room for the chunk's rows; its zoom pool is the chunk's.
-        # Spans as factors: a 255-token chunk at 4K took 3.2 s rebuilding them in the graph, 4.0 s reading raw
-        # rows (one mat-vec per query row and span)
-        memory = native_memory(self.native_model, cache, len(tokens) + 1, zoom_k=sekv._step_zoom_k)
+        # Its spans are the host rows (with host=factors: the factors, rebuilt in the graph)
+        memory = native_memory(self.native_model, cache, len(tokens) + 1, zoom_k=sekv._step_zoom_k, host_rows=host_rows)
         rows = cache.score_rows(torch.tensor(tokens, dtype=torch.long))
         try:
             first = memory.n_exact
@@ -286,6 +298,8 @@ class LlamaCppSekvEngine(Engine):
     def reset(self) -> None:
         self.pending, self.pending_nll = [], []
         self._drop_native()
+        if self.host_rows is not None:
+            self.host_rows.close()
         self.reference.reset()
         self.n_tokens = 0
         self._last_logits = None
@@ -306,16 +320,17 @@ class LlamaCppSekvEngine(Engine):
         summaries and metadata, plus the step's compute buffer at its peak; host tier: span rows and
         factors), plus the torch memory it was imported from, which stays alive beside it (answers fold back
         into it): in host RAM when torch runs on the CPU, on the device otherwise. Before decoding, the torch
-        memory that will be imported."""
+        memory that will be imported, and the host rows kept for it."""
         ref = self.reference.memory()
+        rows = 0 if self.host_rows is None else self.host_rows.bytes()
         if self.native is None:
-            return ref
+            return ref if not rows else dataclasses.replace(ref, host_bytes=ref.host_bytes + rows, host_per_layer=[])
         b = self.native.bytes()
         on_device = torch.device(self.reference.device).type != "cpu"
         torch_device = ref.device_bytes if on_device else 0
         return MemoryReport(tokens=self.n_tokens, device_bytes=b.device + torch_device,
                             device_peak_bytes=max(ref.device_peak_bytes, self._native_peak) + torch_device,
-                            host_bytes=b.host + ref.host_bytes + (0 if on_device else ref.device_bytes),
+                            host_bytes=b.host + rows + ref.host_bytes + (0 if on_device else ref.device_bytes),
                             full_kv_bytes=self.config.full_kv_bytes(self.n_tokens),
                             host_reads=ref.host_reads, full_kv_held_bytes=ref.full_kv_held_bytes,
                             checkpoint_bytes=ref.checkpoint_bytes)

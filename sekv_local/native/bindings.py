@@ -25,7 +25,8 @@ class ModelInfo(ctypes.Structure):
 class MemoryParams(ctypes.Structure):
     _fields_ = [("exact_capacity", _c_int), ("n_spans", _c_int), ("span_rows", _c_int), ("rank", _c_int),
                 ("zoom_k", _c_int), ("summary_bias", _c_float), ("n_factored", _p), ("n_raw", _p),
-                ("scheduler", _c_int), ("router", _c_int), ("n_pinned", _p), ("host_quant", _c_int)]
+                ("scheduler", _c_int), ("router", _c_int), ("n_pinned", _p), ("host_quant", _c_int),
+                ("host_rows", _p)]
 
 #: sekv_memory_params.host_quant of each host tier format
 HOST_QUANT_CODES = {"none": 0, "q8_0": 1, "q4_0": 2}
@@ -65,6 +66,12 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "sekv_memory_bytes": (ctypes.c_int, [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
                                          ctypes.POINTER(ctypes.c_uint64)]),
     "sekv_memory_last_zoom": (_c_int, [_p, _c_int, _p]),
+    "sekv_host_rows_create": (_p, [_p, _c_int, _c_int]),
+    "sekv_host_rows_free": (None, [_p]),
+    "sekv_host_rows_reserve": (ctypes.c_int, [_p, _c_int]),
+    "sekv_host_rows_set": (ctypes.c_int, [_p, _c_int, _c_int, _c_int, _p, _p]),
+    "sekv_host_rows_count": (_c_int, [_p]),
+    "sekv_host_rows_bytes": (ctypes.c_uint64, [_p]),
 }
 
 _LIB: ctypes.CDLL | None = None
@@ -214,6 +221,42 @@ class StoreRows:
         return SpanRows(*(_ptr(a) for a in arrays)), arrays
 
 
+class NativeHostRows(_Handle):
+    """A host tier of raw span rows that outlives the memories reading it (sekv_host_rows in sekv_native.h): spans
+    are added as a document is read, and each new memory borrows them instead of copying the tier."""
+
+    free_function = "sekv_host_rows_free"
+
+    def __init__(self, model: NativeModel, span_rows: int, host_quant: str = "none") -> None:
+        self.model = model
+        self.lib = model.lib
+        self.span_rows = int(span_rows)
+        self.host_quant = host_quant
+        self.handle = self.lib.sekv_host_rows_create(model.handle, self.span_rows, HOST_QUANT_CODES[host_quant])
+        if not self.handle:
+            raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")
+
+    def reserve(self, n_spans: int) -> None:
+        _check(self.lib, self.lib.sekv_host_rows_reserve(self.handle, int(n_spans)), "host_rows_reserve")
+
+    def set(self, layer: int, first: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Spans [first, first + n) of a global layer: k [n, KV, l, D] (rotated), v [n, KV, D, l]; later ones go."""
+        k, v = _half(k), _half(v)
+        if k.shape[0] != v.shape[0]:
+            raise SekvError("native engine: host rows need as many value spans as key spans")
+        _check(self.lib, self.lib.sekv_host_rows_set(self.handle, int(layer), int(first), k.shape[0], _ptr(k), _ptr(v)),
+               "host_rows_set")
+
+    @property
+    def count(self) -> int:
+        """Spans every global layer holds."""
+        return int(self.lib.sekv_host_rows_count(self.handle))
+
+    def bytes(self) -> int:
+        """Bytes of its buffer (room allocated, held or not)."""
+        return int(self.lib.sekv_host_rows_bytes(self.handle))
+
+
 @dataclass(frozen=True)
 class NativeBytes:
     device: int
@@ -229,13 +272,14 @@ class NativeMemory(_Handle):
     def __init__(self, model: NativeModel, exact_capacity: int, n_spans: int, span_rows: int, rank: int,
                  zoom_k: int, summary_bias: float, n_factored: np.ndarray, n_raw: np.ndarray,
                  scheduler: bool = False, learned_router: bool = False, pin_rows: np.ndarray | None = None,
-                 union: bool = False, host_quant: str = "none") -> None:
+                 union: bool = False, host_quant: str = "none", host_rows: NativeHostRows | None = None) -> None:
         """n_factored, n_raw [n_layer, 2]: spans each layer stores as factors / raw, keys then values.
         scheduler: step through ggml's multi-backend scheduler even on the CPU (a GPU model always does).
         learned_router: route with the model's learned router (set each layer's routing keys too); with union, only
         the second half of each pool (the first by the training-free rule).
         pin_rows [n_layer]: room for each layer's pinned rows (question-time selection), None: no pins.
-        host_quant: the host tier's format, "none" (f16), "q8_0" or "q4_0" (quantized from the f16 rows set)."""
+        host_quant: the host tier's format, "none" (f16), "q8_0" or "q4_0" (quantized from the f16 rows set).
+        host_rows: read every span from these rows (all raw; the memory keeps them alive) instead of its own tier."""
         self.model = model
         self.lib = model.lib
         counts = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in (n_factored, n_raw)]
@@ -247,7 +291,9 @@ class NativeMemory(_Handle):
         params = MemoryParams(exact_capacity, n_spans, span_rows, rank, zoom_k, summary_bias,
                               _ptr(counts[0]), _ptr(counts[1]), int(scheduler),
                               2 if learned_router and union else int(learned_router),
-                              None if self._pin_rows is None else _ptr(self._pin_rows), HOST_QUANT_CODES[host_quant])
+                              None if self._pin_rows is None else _ptr(self._pin_rows), HOST_QUANT_CODES[host_quant],
+                              None if host_rows is None else host_rows.handle)
+        self.host_rows = host_rows  # the rows must outlive the memory
         self.handle = self.lib.sekv_memory_create(model.handle, ctypes.byref(params))
         if not self.handle:
             raise SekvError(f"native engine: {self.lib.sekv_last_error().decode(errors='replace')}")
@@ -268,14 +314,18 @@ class NativeMemory(_Handle):
         length = np.ascontiguousarray(length, dtype=np.int32)
         _check(self.lib, self.lib.sekv_memory_set_spans(self.handle, _ptr(start), _ptr(length)), "set_spans")
 
-    def set_layer_spans(self, layer: int, sum_k: np.ndarray, sum_v: np.ndarray, keys: "StoreRows",
-                        values: "StoreRows") -> None:
+    def set_layer_spans(self, layer: int, sum_k: np.ndarray, sum_v: np.ndarray, keys: "StoreRows | None",
+                        values: "StoreRows | None") -> None:
+        """sum_k, sum_v [KV, S, D]; keys, values: the spans' rows (None for a memory on host_rows)."""
         sum_k, sum_v = _half(sum_k), _half(sum_v)
-        k_struct, k_keep = keys.as_struct()
-        v_struct, v_keep = values.as_struct()
-        status = self.lib.sekv_memory_set_layer_spans(self.handle, layer, _ptr(sum_k), _ptr(sum_v),
-                                                      ctypes.byref(k_struct), ctypes.byref(v_struct))
-        del k_keep, v_keep
+        if keys is None or values is None:
+            status = self.lib.sekv_memory_set_layer_spans(self.handle, layer, _ptr(sum_k), _ptr(sum_v), None, None)
+        else:
+            k_struct, k_keep = keys.as_struct()
+            v_struct, v_keep = values.as_struct()
+            status = self.lib.sekv_memory_set_layer_spans(self.handle, layer, _ptr(sum_k), _ptr(sum_v),
+                                                          ctypes.byref(k_struct), ctypes.byref(v_struct))
+            del k_keep, v_keep
         _check(self.lib, status, "set_layer_spans")
 
     def set_layer_routing(self, layer: int, route_k: np.ndarray) -> None:

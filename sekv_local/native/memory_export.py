@@ -18,7 +18,7 @@ from ..cache.base import CachePolicy
 from ..cache.mixed_layers import MixedLayers
 from ..errors import SekvError
 from ..quant_blocks import QK
-from .bindings import NativeMemory, NativeModel, StoreRows
+from .bindings import NativeHostRows, NativeMemory, NativeModel, StoreRows
 from ..sekv.buffers import FlatBuffer, QuantFlatBuffer
 from ..sekv.factors import FactorStore
 from ..sekv.policy import SekvCache
@@ -30,8 +30,8 @@ class LayerExport:
     exact_v: np.ndarray
     sum_k: np.ndarray  # [KV, S, D] post-RoPE at the span centre
     sum_v: np.ndarray
-    keys: StoreRows
-    values: StoreRows
+    keys: StoreRows | None  # None: the spans' rows are in the native host rows, not exported
+    values: StoreRows | None
     route_k: np.ndarray | None  # [KV, S, d'] unit-norm routing keys of the learned router (None: training-free rule)
     pins: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # pinned rows k, v [KV, n, D] (k post-RoPE), mask [S]
     read_bytes: np.ndarray  # int64 [S]: host bytes one KV head's zoom into each span reads (K and V, padded slots)
@@ -57,9 +57,12 @@ class MemoryExport:
         return np.array([0 if l.pins is None else l.pins[0].shape[1] for l in self.layers], dtype=np.int32)
 
     def store_counts(self) -> tuple[np.ndarray, np.ndarray]:
-        """Factored and raw spans per layer, keys then values: two int32 [n_layer, 2]."""
-        raw = np.array([[int(l.keys.is_raw.sum()), int(l.values.is_raw.sum())] for l in self.layers], dtype=np.int32)
-        return len(self.span_len) - raw, raw
+        """Factored and raw spans per layer, keys then values: two int32 [n_layer, 2] (every span raw where the
+        rows were not exported: they are the host rows')."""
+        S = len(self.span_len)
+        raw = np.array([[S, S] if l.keys is None else [int(l.keys.is_raw.sum()), int(l.values.is_raw.sum())]
+                        for l in self.layers], dtype=np.int32).reshape(len(self.layers), 2)
+        return S - raw, raw
 
 
 def sekv_of(cache: CachePolicy) -> tuple[SekvCache, list[int]]:
@@ -97,14 +100,16 @@ def _gather(buffer: FlatBuffer | QuantFlatBuffer, index: torch.Tensor) -> torch.
 
 
 def decompressed_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, rows: int, values: bool,
-                      rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> StoreRows:
-    """Every span as raw rows [S, KV, l, D] rebuilt from its factors once (keys rotated; values transposed)."""
-    S, KV = store.n_spans, store.n_kv
+                      rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                      first: int = 0) -> StoreRows:
+    """Spans first.. as raw rows [S - first, KV, l, D] rebuilt from their factors once (keys rotated; values
+    transposed)."""
+    S, KV = store.n_spans - first, store.n_kv
     heads = torch.arange(KV).repeat(S)
-    spans = torch.arange(S).repeat_interleave(KV)
+    spans = torch.arange(first, first + S).repeat_interleave(KV)
     x = store.rebuild(heads, spans, lengths, rows).view(S, KV, rows, store.head_dim)  # S may be 0
-    if rotate is not None:
-        x = rotate(x, starts[:S, None] + torch.arange(rows)[None, :])
+    if rotate is not None and S:
+        x = rotate(x, starts[first: first + S, None] + torch.arange(rows)[None, :])
     if values:
         x = x.transpose(-1, -2)
     empty = np.zeros((0,), dtype=np.float16)
@@ -149,12 +154,15 @@ def store_rows(store: FactorStore, lengths: torch.Tensor, starts: torch.Tensor, 
                      x.to(half).contiguous().numpy())
 
 
-def read_bytes(stores: tuple[StoreRows, StoreRows], rows: int, rank: int, head_dim: int,
+def read_bytes(stores: tuple[StoreRows, StoreRows] | int, rows: int, rank: int, head_dim: int,
                value_bytes: float = 2.0) -> np.ndarray:
     """Host bytes [S] the native step reads when one KV head zooms into each span: the span's slot in its
     keys' and its values' table (raw rows l x D, or factors U l x R and W D x R), padded as stored, at
-    value_bytes per value (2 for f16; a quantized block's share of its scale included)."""
+    value_bytes per value (2 for f16; a quantized block's share of its scale included). stores: the two stores,
+    or the number of spans when every span is raw (the native host rows)."""
     raw_slot, factor_slot = round(rows * head_dim * value_bytes), round((rows + head_dim) * rank * value_bytes)
+    if isinstance(stores, int):
+        return np.full(stores, 2 * raw_slot, dtype=np.int64)
     return sum(np.where(store.is_raw != 0, raw_slot, factor_slot).astype(np.int64) for store in stores)
 
 
@@ -167,19 +175,8 @@ def native_rank(rank: int, rows: int, host_quant: str) -> int:
     return -(-rank // step) * step
 
 
-def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
-    """decompress: hand the native memory every span as rows, rebuilt once here, instead of factors it
-    rebuilds at every step (the host tier then holds about the full KV; the device tier is unchanged)."""
-    why = supported(cache)
-    if why is not None:
-        raise SekvError(f"the native engine does not support {why} yet; use --engine torch")
-    S = cache.span_len.length
-    lengths = cache.span_len.view().cpu()
-    rows = int(lengths.max()) if S else 1
-    stores = [store for layer in cache.layers for store in (layer.fac_k, layer.fac_v)]
-    factored = [store.rank.view()[~store.raw.view()] for store in stores]
-    rank = native_rank(max([1] + [int(f.max()) for f in factored if f.numel()]), rows, cache.cfg.host_quant)
-    starts = cache.span_pos.view().cpu()
+def rotator(cache: SekvCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """RoPE for span rows x [n, KV, l, D] at positions [n, l], as the native host tier stores raw keys."""
 
     def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # the host tier lives on the CPU; RoPE's tables live where the model runs
@@ -188,12 +185,33 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
         shape = (positions.shape[0], 1, positions.shape[1], cos.shape[-1])
         return cache.rope.apply(x, positions, (cos.view(shape), sin.view(shape))).cpu()
 
+    return rotate
+
+
+def export_memory(cache: SekvCache, decompress: bool = False, host_rows: int | None = None) -> MemoryExport:
+    """decompress: hand the native memory every span as rows, rebuilt once here, instead of factors it
+    rebuilds at every step (the host tier then holds about the full KV; the device tier is unchanged).
+    host_rows: the span_rows of native host rows that already hold every span (their rows are not exported)."""
+    why = supported(cache)
+    if why is not None:
+        raise SekvError(f"the native engine does not support {why} yet; use --engine torch")
+    S = cache.span_len.length
+    lengths = cache.span_len.view().cpu()
+    rows = host_rows if host_rows is not None else int(lengths.max()) if S else 1
+    stores = [store for layer in cache.layers for store in (layer.fac_k, layer.fac_v)]
+    factored = [store.rank.view()[~store.raw.view()] for store in stores]
+    rank = 1 if host_rows is not None else \
+        native_rank(max([1] + [int(f.max()) for f in factored if f.numel()]), rows, cache.cfg.host_quant)
+    starts = cache.span_pos.view().cpu()
+    rotate = rotator(cache)
     learned = cache.router_kind in ("projection", "union")
     out = []
     for layer_no, layer in enumerate(cache.layers):
         exact_k = torch.cat([layer.exact_k.view(), layer.pend_k.view()], dim=1)
         exact_v = torch.cat([layer.exact_v.view(), layer.pend_v.view()], dim=1)
-        if decompress:
+        if host_rows is not None:
+            keys = values = None
+        elif decompress:
             keys = decompressed_rows(layer.fac_k, lengths, starts, rows, values=False, rotate=rotate)
             values = decompressed_rows(layer.fac_v, lengths, starts, rows, values=True)
         else:
@@ -206,7 +224,8 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
         out.append(LayerExport(exact_k.cpu().half().numpy(), exact_v.cpu().half().numpy(),
                                layer.sum_k.view().cpu().half().numpy(), layer.sum_v.view().cpu().half().numpy(),
                                keys, values, route_k, pins,
-                               read_bytes((keys, values), rows, rank, cache.config.head_dim, cache.host_value_bytes)))
+                               read_bytes(S if keys is None else (keys, values), rows, rank, cache.config.head_dim,
+                                          cache.host_value_bytes)))
     router = None
     if learned:
         router = (cache.router.q_proj.detach().float().cpu().numpy(),
@@ -216,16 +235,19 @@ def export_memory(cache: SekvCache, decompress: bool = False) -> MemoryExport:
 
 
 def native_memory(model: NativeModel, cache: CachePolicy, room: int, decompress: bool = False,
-                  scheduler: bool = False, zoom_k: int | None = None) -> NativeMemory:
+                  scheduler: bool = False, zoom_k: int | None = None,
+                  host_rows: NativeHostRows | None = None) -> NativeMemory:
     """A native memory holding `cache` (SeKV, or SeKV on the global layers beside sliding windows) with `room`
     exact rows free for decoding (or prefill chunks); its steps zoom `zoom_k` spans (default: the cache's decode
     pool). With the learned router, the model routes with the cache's router parameters: the ones it read from
-    its GGUF when they are the same, else they are set from here (a packaged or freshly trained router)."""
+    its GGUF when they are the same, else they are set from here (a packaged or freshly trained router).
+    host_rows: native host rows that hold every span of `cache` already (HostRowsMirror.sync): the memory reads
+    them in place, so only the device tier is exported."""
     sekv, model_layers = sekv_of(cache)
     if sorted(set(range(model.info.n_layer)) - set(model_layers)) != sorted(model.local_layers):
         raise SekvError(f"native engine: the torch memory keeps SeKV on layers {model_layers}, but the model's "
                         f"sliding-window layers are {list(model.local_layers)}")
-    exported = export_memory(sekv, decompress=decompress)
+    exported = export_memory(sekv, decompress=decompress, host_rows=None if host_rows is None else host_rows.span_rows)
     L = model.info.n_layer
     at = np.array(model_layers)
 
@@ -249,7 +271,7 @@ def native_memory(model: NativeModel, cache: CachePolicy, room: int, decompress:
                           scheduler=scheduler, learned_router=exported.router is not None,
                           union=sekv.router_kind == "union",
                           pin_rows=None if pin_rows is None else per_model_layer(pin_rows),
-                          host_quant=sekv.cfg.host_quant)
+                          host_quant=sekv.cfg.host_quant, host_rows=host_rows)
     try:
         memory.set_spans(exported.span_start, exported.span_len)
         for i, layer in zip(model_layers, exported.layers):

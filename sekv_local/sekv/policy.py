@@ -43,6 +43,20 @@ _POSITION_MARGIN = 64  # "bounded": far memory sits this far inside the trained 
 AUTO_READ_BUDGET = 0.05
 #: device tier when none is given (a fraction of full KV)
 DEFAULT_BUDGET = 0.25
+
+
+class _SpanIds:
+    """Process-wide span identities: a span keeps its id while it lives, a span made after a rollback (or in
+    another memory) gets a new one, so a copy of the spans elsewhere (the native host rows) can tell which of its
+    spans are still these."""
+
+    next = 0
+
+    @classmethod
+    def fresh(cls, n: int) -> torch.Tensor:
+        ids = torch.arange(cls.next, cls.next + n, dtype=torch.long)
+        cls.next += n
+        return ids
 #: answer tokens whose new span summaries and anchors the question-time pins leave room for
 _ANSWER_ROOM = 256
 #: how far below every relevance logit the zoom thresholds go when the learned router fills the pool
@@ -113,6 +127,7 @@ class SekvCache(CachePolicy):
         self.pend_surprisal = VecBuffer(torch.float32, dev, step)
         self.span_pos = VecBuffer(torch.long, dev, step)
         self.span_len = VecBuffer(torch.long, dev, step)
+        self.span_ids = VecBuffer(torch.long, "cpu", step)  # [S] (see _SpanIds)
         self.stats = RunningStats()
         self._zoom_events: list[tuple[int, torch.Tensor]] = []
         self._step_zoom_k = 0  # this step's pool (the planned one, or more with pool=free)
@@ -687,6 +702,7 @@ class SekvCache(CachePolicy):
         self.exact_pos.append(pos[seg.anchors])
         self.span_pos.append(pos[seg.span_start])
         self.span_len.append(seg.span_len)
+        self.span_ids.append(_SpanIds.fresh(int(seg.span_len.numel())))
         self.pend_pos.drop_front(seg.consumed)
         self.pend_surprisal.drop_front(seg.consumed)
 
@@ -798,7 +814,7 @@ class SekvCache(CachePolicy):
         self._question_mass = [None] * self.config.n_layers
         for buf in (self.exact_pos,):
             buf.truncate(mark["exact"])
-        for buf in (self.span_pos, self.span_len):
+        for buf in (self.span_pos, self.span_len, self.span_ids):
             buf.truncate(mark["spans"])
         self.pend_pos.truncate(0)
         self.pend_pos.append(mark["pend_pos"])
@@ -841,6 +857,7 @@ class SekvCache(CachePolicy):
         self.l_min = int(meta["l_min"])
         for name in self._GLOBAL:
             getattr(self, name).load(tensors[name].to(self.device))
+        self.span_ids.load(_SpanIds.fresh(self.span_len.length))
         for i, layer in enumerate(self.layers):
             for name in self._LAYER:
                 getattr(layer, name).load(tensors[f"L{i}.{name}"].to(self.device))
@@ -895,7 +912,8 @@ class SekvCache(CachePolicy):
 
     def host_tensors(self, layer: int) -> list[torch.Tensor]:
         L = self.layers[layer]
-        return L.fac_k.tensors() + L.fac_v.tensors() if L.window_first else []  # a shared store counts once
+        tensors = L.fac_k.tensors() + L.fac_v.tensors() if L.window_first else []  # a shared store counts once
+        return tensors + [self.span_ids.data] if layer == 0 else tensors
 
     def reset_observations(self) -> None:
         super().reset_observations()
