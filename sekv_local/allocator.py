@@ -4,7 +4,8 @@ A cache method frees and reallocates large tensors at every chunk (attention blo
 glibc's defaults, the threshold above which an allocation gets its own mapping rises to 32 MiB after the
 first large free, so most tensors land on the heap, and a freed block in the middle of it stays resident:
 a 7K-token read then held 1.2-1.6x full KV's bytes that no method had asked for. Serving every allocation
-of 4 MiB or more from its own mapping, and trimming the heap's top, gives them back.
+of 4 MiB or more from its own mapping, and trimming the heap's top, gives them back. MKL's own buffer pool,
+which this cannot reach, is turned off where the package is imported (sekv_local/__init__.py).
 """
 
 from __future__ import annotations
