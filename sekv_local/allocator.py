@@ -4,15 +4,22 @@ A cache method frees and reallocates large tensors at every chunk (attention blo
 glibc's defaults, the threshold above which an allocation gets its own mapping rises to 32 MiB after the
 first large free, so most tensors land on the heap, and a freed block in the middle of it stays resident:
 a 7K-token read then held 1.2-1.6x full KV's bytes that no method had asked for. Serving every allocation
-of 4 MiB or more from its own mapping, and trimming the heap's top, gives them back. MKL's own buffer pool,
-which this cannot reach, is turned off where the package is imported (sekv_local/__init__.py).
+of 4 MiB or more from its own mapping, and trimming the heap's top, gives them back.
+
+MKL (inside torch's CPU build) keeps the buffers of its matrix products in a pool of its own: 34 MiB in 6
+buffers after a 3K-token read with StreamingLLM, 6-7 MiB more than before the read, which no method reports and
+no trim reaches. Turning the pool off (MKL_DISABLE_FAST_MM) made a 7K-token read 1.16-1.19x slower, so the pool
+stays on while the model computes and is emptied when a read or an answer is done.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import sys
 from functools import lru_cache
+from typing import Callable
 
 #: allocations from this size on get their own mapping and go back to the OS when freed; smaller ones (attention
 #: blocks, per-step rows) are reused from the heap: mapping each anew cost more time in page faults than compute
@@ -30,6 +37,31 @@ def _libc() -> ctypes.CDLL | None:
         return ctypes.CDLL(name) if name else None
     except OSError:
         return None
+
+
+@lru_cache(maxsize=1)
+def _mkl_free_buffers() -> Callable[[], None] | None:
+    """MKL's `mkl_free_buffers` as torch's CPU library exports it, once torch is imported (None otherwise)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        free = lib.mkl_serv_free_buffers
+    except (OSError, AttributeError):  # another torch build (no MKL, or not Linux)
+        return None
+    free.restype = None
+    return free
+
+
+def release_compute_pools() -> None:
+    """Empty MKL's buffer pool, then give free heap pages back (:func:`release_free_memory`). For the end of a
+    read or of an answer: emptied after every chunk, the pool would be refilled at the next one."""
+    if "torch" in sys.modules:
+        free = _mkl_free_buffers()
+        if free is not None:
+            free()
+    release_free_memory()
 
 
 def release_free_memory() -> None:

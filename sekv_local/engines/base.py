@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..allocator import release_free_memory
+from ..allocator import release_compute_pools, release_free_memory
 from ..cache.base import MemoryReport
 from ..errors import SekvError
 from ..models.config import ModelConfig
@@ -185,6 +185,7 @@ class Engine(ABC):
             release_free_memory()
             if progress is not None:
                 progress(min(i + step, len(tokens)), len(tokens))
+        release_compute_pools()
         self.stats.prefill_s += time.perf_counter() - start
         self.stats.prefill_tokens += len(tokens)
 
@@ -210,7 +211,7 @@ class Engine(ABC):
                 self.stats.decode_s += time.perf_counter() - start
                 self.stats.decode_tokens += 1
         finally:  # an answer's steps free blocks between live ones too
-            release_free_memory()
+            release_compute_pools()
 
     def max_context(self) -> int:
         """Most tokens the context can hold with this engine and method."""

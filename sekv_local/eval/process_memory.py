@@ -15,7 +15,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from ..allocator import give_back_freed_memory, release_free_memory, reset_peak, resident_bytes
+from ..allocator import give_back_freed_memory, release_compute_pools, reset_peak, resident_bytes
 
 #: a method's report may leave out at most this share of full KV's bytes (transients, allocator slack)
 UNREPORTED_LIMIT = 0.10
@@ -80,7 +80,7 @@ def measure(method: str, model: str, tokens: int, budget: float | None, engine: 
     warm.answer(sample.questions[0].text, max_new_tokens=2)
     del warm, eng
     gc.collect()
-    release_free_memory()  # what loading freed is not the method's to give back
+    release_compute_pools()  # what loading freed is not the method's to give back
     base, _ = resident_bytes()
     reset_peak()
     eng = create_engine(engine, path, tokenizer, settings.engine_options())
