@@ -12,13 +12,12 @@ from typing import Any
 
 import torch
 
+from ..dtypes import CACHE_DTYPES, dtype_error
 from ..errors import SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from .attention import CausalBias, gqa_attention
 from .base import CachePolicy, register_policy
-
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,8 @@ class FullConfig:
     max_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise SekvError(f"full: dtype must be one of {sorted(_DTYPES)}, got '{self.dtype}'")
+        if self.dtype not in CACHE_DTYPES:
+            raise SekvError(f"full: {dtype_error(self.dtype)}")
         if self.grow_tokens < 1:
             raise SekvError("full: grow_tokens must be >= 1")
         if self.max_tokens < 0:
@@ -134,7 +133,7 @@ class FullCache(CachePolicy):
         self.cfg = FullConfig(**options)
         self._causal = CausalBias(self.device)
         self._causal_local = CausalBias(self.device, window=config.sliding_window)
-        dtype, step = _DTYPES[self.cfg.dtype], self.cfg.grow_tokens
+        dtype, step = CACHE_DTYPES[self.cfg.dtype], self.cfg.grow_tokens
         self.layers: list[GrowingKV] = [
             WindowKV(config.n_kv_heads, config.head_dim, dtype, step, self.device, keep=config.sliding_window - 1)
             if config.is_local(i) else GrowingKV(config.n_kv_heads, config.head_dim, dtype, step, self.device)

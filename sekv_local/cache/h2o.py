@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import CACHE_DTYPES, dtype_error
 from ..errors import SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -30,7 +31,6 @@ from .base import CachePolicy, register_policy
 from .budget import budget_tokens, resolve_budget_bytes
 from .scoring import PROTECTED_RANK, ScoredKV, attention_scores, drop_lowest
 
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 _MIN_TOKENS = 8
 
 
@@ -53,8 +53,8 @@ class H2OConfig:
             raise SekvError(f"h2o: recent_fraction must be in [0, 1), got {self.recent_fraction!r}")
         if not _is_number(self.chunk_fraction) or not 0 < self.chunk_fraction < 1:
             raise SekvError(f"h2o: chunk_fraction must be in (0, 1), got {self.chunk_fraction!r}")
-        if self.dtype not in _DTYPES:
-            raise SekvError(f"h2o: dtype must be one of {sorted(_DTYPES)}, got '{self.dtype}'")
+        if self.dtype not in CACHE_DTYPES:
+            raise SekvError(f"h2o: {dtype_error(self.dtype)}")
 
 
 class H2OCache(CachePolicy):
@@ -74,7 +74,7 @@ class H2OCache(CachePolicy):
     def token_bytes(self) -> int:
         """Device bytes per kept token over all layers: K, V, and per KV head a position and a score."""
         c = self.config
-        return c.n_layers * ScoredKV.bytes_per_token(c.n_kv_heads, c.head_dim, c.n_kv_heads, _DTYPES[self.cfg.dtype])
+        return c.n_layers * ScoredKV.bytes_per_token(c.n_kv_heads, c.head_dim, c.n_kv_heads, CACHE_DTYPES[self.cfg.dtype])
 
     def reserve(self, n_tokens: int) -> None:
         if self.n_tokens:
@@ -85,7 +85,7 @@ class H2OCache(CachePolicy):
         self.recent = int(round(self.capacity * self.cfg.recent_fraction))
         self.chunk_tokens = max(1, int(self.capacity * self.cfg.chunk_fraction))
         c = self.config
-        self.layers = [ScoredKV(c.n_kv_heads, c.head_dim, self.capacity, c.n_kv_heads, _DTYPES[self.cfg.dtype],
+        self.layers = [ScoredKV(c.n_kv_heads, c.head_dim, self.capacity, c.n_kv_heads, CACHE_DTYPES[self.cfg.dtype],
                                 self.device) for _ in range(c.n_layers)]
 
     def max_chunk_tokens(self) -> int:

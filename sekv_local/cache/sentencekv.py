@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import CACHE_DTYPES, dtype_error
 from ..errors import BudgetError, SekvError, config_check
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -38,7 +39,6 @@ from .attention import gqa_attention_parts
 from .base import CachePolicy, register_policy, storage_bytes
 from .budget import resolve_budget_bytes
 
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 _SENTENCE_END_CHARS = (b".", b"!", b"?", b"\n")
 _SENTENCE_STEP = 64  # growth step (sentences) of the device sentence tables
 _MAX_CHUNK = 1024  # prefill chunk cap: a larger pending buffer would only take bytes from the working set
@@ -105,7 +105,7 @@ class SentenceKVConfig:
         need(all(i >= 0 for i in self.sentence_end_ids), "sentence_end_ids must be >= 0")
         need(isinstance(self.chunk_fraction, (int, float)) and 0 < self.chunk_fraction < 1,
              "chunk_fraction must be in (0, 1)")
-        need(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}")
+        need(self.dtype in CACHE_DTYPES, dtype_error(self.dtype))
 
 
 def sentence_lengths(is_end: torch.Tensor, min_len: int, max_len: int) -> list[int]:
@@ -153,7 +153,7 @@ class SentenceKVCache(CachePolicy):
         resolve_budget_bytes(budget, config, 1, self.name)  # refuses a missing or negative budget now
         self.budget_spec = budget
         self.end_ids = torch.tensor(self.cfg.sentence_end_ids, dtype=torch.long, device=self.device)
-        dt, dev, KV, D = _DTYPES[self.cfg.dtype], self.device, config.n_kv_heads, config.head_dim
+        dt, dev, KV, D = CACHE_DTYPES[self.cfg.dtype], self.device, config.n_kv_heads, config.head_dim
         pin = self.device.type == "cuda"
         # device sentence tables (grow by _SENTENCE_STEP; the slack is counted)
         self.sem_k = [RowBuffer(KV, D, dt, dev, _SENTENCE_STEP) for _ in range(config.n_layers)]
@@ -178,13 +178,13 @@ class SentenceKVCache(CachePolicy):
     def slot_bytes(self) -> int:
         """Device bytes of one token slot over all layers (K and V, every KV head)."""
         c = self.config
-        return c.n_layers * 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize
+        return c.n_layers * 2 * c.n_kv_heads * c.head_dim * CACHE_DTYPES[self.cfg.dtype].itemsize
 
     @property
     def sentence_bytes(self) -> int:
         """Device bytes of one sentence: mean key per layer and KV head + host offset and length."""
         c = self.config
-        return c.n_layers * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 16
+        return c.n_layers * c.n_kv_heads * c.head_dim * CACHE_DTYPES[self.cfg.dtype].itemsize + 16
 
     def reserve(self, n_tokens: int) -> None:
         if self.n_tokens:
@@ -210,7 +210,7 @@ class SentenceKVCache(CachePolicy):
                 f"({sentences * self.sentence_bytes / 2**20:.2f} MiB) and one sentence of working set. "
                 f"{advice}")
         self._plan_error = None
-        dt, dev, KV, D = _DTYPES[cfg.dtype], self.device, c.n_kv_heads, c.head_dim
+        dt, dev, KV, D = CACHE_DTYPES[cfg.dtype], self.device, c.n_kv_heads, c.head_dim
         self.start_k = [torch.zeros(KV, cfg.n_start, D, dtype=dt, device=dev) for _ in range(c.n_layers)]
         self.start_v = [torch.zeros_like(t) for t in self.start_k]
         self.n_start_held = 0
@@ -224,7 +224,7 @@ class SentenceKVCache(CachePolicy):
     def _allocate_working(self, slots: int) -> None:
         c = self.config
         self.working = slots
-        self.ws_k = [torch.zeros(c.n_kv_heads, slots, c.head_dim, dtype=_DTYPES[self.cfg.dtype], device=self.device)
+        self.ws_k = [torch.zeros(c.n_kv_heads, slots, c.head_dim, dtype=CACHE_DTYPES[self.cfg.dtype], device=self.device)
                      for _ in range(c.n_layers)]
         self.ws_v = [torch.zeros_like(t) for t in self.ws_k]
 

@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..dtypes import CACHE_DTYPES, dtype_error
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -51,8 +52,6 @@ from .base import CachePolicy, register_policy
 from .budget import budget_tokens, resolve_budget_bytes
 from .scoring import (PROTECTED_RANK, UNSCORED_RANK, ScoredKV, attend_in_parts, attention_scores, drop_lowest,
                       pool_positions)
-
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
 def is_int(x: Any) -> bool:
@@ -91,8 +90,8 @@ class SnapKVConfig:
             raise SekvError(f"{name}: question_aware must be true or false, got {self.question_aware!r}")
         if not is_number(self.chunk_fraction) or not 0 < self.chunk_fraction < 1:
             raise SekvError(f"{name}: chunk_fraction must be in (0, 1), got {self.chunk_fraction!r}")
-        if self.dtype not in _DTYPES:
-            raise SekvError(f"{name}: dtype must be one of {sorted(_DTYPES)}, got '{self.dtype}'")
+        if self.dtype not in CACHE_DTYPES:
+            raise SekvError(f"{name}: {dtype_error(self.dtype)}")
 
 
 class SnapKVCache(CachePolicy):
@@ -121,7 +120,7 @@ class SnapKVCache(CachePolicy):
     def token_bytes(self) -> int:
         """Device bytes per kept token over all layers: K, V, and per row a position and a score."""
         c = self.config
-        return c.n_layers * ScoredKV.bytes_per_token(c.n_kv_heads, c.head_dim, self.rows, _DTYPES[self.cfg.dtype])
+        return c.n_layers * ScoredKV.bytes_per_token(c.n_kv_heads, c.head_dim, self.rows, CACHE_DTYPES[self.cfg.dtype])
 
     @property
     def window_bytes(self) -> int:
@@ -156,7 +155,7 @@ class SnapKVCache(CachePolicy):
             raise BudgetError(f"{exc} (the observation windows take {self.window_bytes / 2**20:.2f} MiB "
                               f"of the {budget_bytes / 2**20:.2f} MiB budget)") from None
         self.chunk_tokens = max(1, int(self.capacity * self.cfg.chunk_fraction))
-        c, w, dt = self.config, self.cfg.window, _DTYPES[self.cfg.dtype]
+        c, w, dt = self.config, self.cfg.window, CACHE_DTYPES[self.cfg.dtype]
         self.layers = [ScoredKV(c.n_kv_heads, c.head_dim, cap, self.rows, dt, self.device)
                        for cap in self.layer_capacities(self.capacity, n_tokens)]
         self.win_q = [torch.zeros(c.n_heads, w, c.head_dim, device=self.device) for _ in range(c.n_layers)]

@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 
+from ..dtypes import CACHE_DTYPES, dtype_error
 from ..errors import SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
 from .attention import gqa_attention
 from .base import CachePolicy, register_policy
 from .budget import budget_tokens, resolve_budget_bytes
-
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -37,8 +36,8 @@ class StreamingConfig:
             raise SekvError("streaming: n_sink must be >= 0")
         if not 0 < self.chunk_fraction < 1:
             raise SekvError("streaming: chunk_fraction must be in (0, 1)")
-        if self.dtype not in _DTYPES:
-            raise SekvError(f"streaming: dtype must be one of {sorted(_DTYPES)}")
+        if self.dtype not in CACHE_DTYPES:
+            raise SekvError(f"streaming: {dtype_error(self.dtype)}")
 
 
 class StreamingCache(CachePolicy):
@@ -54,7 +53,7 @@ class StreamingCache(CachePolicy):
     @property
     def token_bytes(self) -> int:
         c = self.config
-        return c.n_layers * 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
+        return c.n_layers * 2 * c.n_kv_heads * c.head_dim * CACHE_DTYPES[self.cfg.dtype].itemsize + 8
 
     def reserve(self, n_tokens: int) -> None:
         if self.n_tokens:
@@ -62,7 +61,7 @@ class StreamingCache(CachePolicy):
         budget_bytes = resolve_budget_bytes(self.budget_spec, self.config, n_tokens, self.name)
         self.capacity = budget_tokens(budget_bytes, self.token_bytes, self.cfg.n_sink + 8, self.name)
         self.chunk_tokens = max(1, int(self.capacity * self.cfg.chunk_fraction))
-        c, dt = self.config, _DTYPES[self.cfg.dtype]
+        c, dt = self.config, CACHE_DTYPES[self.cfg.dtype]
         # per layer: keys and values [KV, capacity, D], allocated once for the whole budget
         self.k = [torch.zeros(c.n_kv_heads, self.capacity, c.head_dim, dtype=dt, device=self.device)
                   for _ in range(c.n_layers)]

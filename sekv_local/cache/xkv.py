@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import CACHE_DTYPES, dtype_error
 from ..errors import BudgetError, SekvError, config_check, reject_unknown
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -35,7 +36,6 @@ from ..sekv.buffers import RowBuffer, VecBuffer
 from .attention import attention_with_lse, gqa_attention_parts, merge_attention
 from .base import CachePolicy, register_policy, storage_bytes
 
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 _ROW_STEP = 32  # growth step of row buffers (their slack counts against the budget)
 _DECODE_SLACK = 64  # exact tokens allowed past the local window before they are compressed
 _PREFILL_BLOCK = 512  # compressed rows rebuilt at once for multi-token chunks
@@ -80,7 +80,7 @@ class XkvConfig:
         need(self.select_tokens >= self.landmark_chunk, "select_tokens must be >= landmark_chunk")
         need(0 <= self.outlier_fraction < 1, "outlier_fraction must be in [0, 1)")
         need(self.reconstruct in ("selective", "dense"), "reconstruct must be 'selective' or 'dense'")
-        need(self.dtype in _DTYPES, f"dtype must be one of {sorted(_DTYPES)}")
+        need(self.dtype in CACHE_DTYPES, dtype_error(self.dtype))
 
 
 def factor_rank(values: int, tokens: int, layers: int, group: int, kv_dim: int) -> int:
@@ -167,7 +167,7 @@ class XkvCache(CachePolicy):
         if isinstance(budget, float) and not 0 < budget <= 1:
             raise SekvError(f"xkv: a fractional budget must be in (0, 1], got {budget}")
         self.budget_spec = budget
-        self.dtype = _DTYPES[self.cfg.dtype]
+        self.dtype = CACHE_DTYPES[self.cfg.dtype]
         KV, D, dev, dt = config.n_kv_heads, config.head_dim, self.device, self.dtype
         self.layers = [_Layer(*(RowBuffer(KV, D, dt, dev, _ROW_STEP) for _ in range(5)),
                               RowBuffer(KV, 1, torch.long, dev, _ROW_STEP)) for _ in range(config.n_layers)]

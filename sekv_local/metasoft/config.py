@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dtypes import CACHE_DTYPE_NAMES, dtype_error
 from ..errors import config_check
 
-DTYPES = ("f16", "bf16", "f32")
 POOLS = ("avg", "max")
 
 
@@ -57,7 +57,7 @@ class MetaSoftConfig:
         need(self.params is None or isinstance(self.params, str), "params must be a file path")
         need(_is_number(self.chunk_fraction) and 0 < self.chunk_fraction < 1,
              f"chunk_fraction must be in (0, 1), got {self.chunk_fraction!r}")
-        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.dtype in CACHE_DTYPE_NAMES, dtype_error(self.dtype))
 
 
 def _is_int(x: object) -> bool:

@@ -28,6 +28,7 @@ from ..cache.attention import CausalBias, gqa_attention
 from ..cache.base import CachePolicy, register_policy
 from ..cache.budget import budget_tokens, resolve_budget_bytes
 from ..cache.scoring import PROTECTED_RANK, UNSCORED_RANK, attend_in_parts, drop_lowest, pool_positions
+from ..dtypes import CACHE_DTYPES
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -35,7 +36,6 @@ from .config import MetaSoftConfig
 from .library import SoftTokenLibrary
 from .merge import MergedKV
 
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 #: slots freed at once when a few new tokens need room (amortizes merging over decode steps)
 EVICT_BATCH = 16
 #: runs the model over soft-token embeddings [k, n_embd] with this policy in probe mode
@@ -73,7 +73,7 @@ class MetaSoftCache(CachePolicy):
     @property
     def token_bytes(self) -> int:
         c = self.config
-        return c.n_layers * MergedKV.bytes_per_token(c.n_kv_heads, c.head_dim, c.n_kv_heads, _DTYPES[self.cfg.dtype])
+        return c.n_layers * MergedKV.bytes_per_token(c.n_kv_heads, c.head_dim, c.n_kv_heads, CACHE_DTYPES[self.cfg.dtype])
 
     @property
     def fixed_bytes(self) -> int:
@@ -96,7 +96,7 @@ class MetaSoftCache(CachePolicy):
                               f"{self.min_tokens()} tokens it needs (sinks, recent window, 16 more; "
                               f"{self.token_bytes} bytes each). Raise --budget.") from None
         self.chunk_tokens = max(1, int(self.capacity * self.cfg.chunk_fraction))
-        c, dt = self.config, _DTYPES[self.cfg.dtype]
+        c, dt = self.config, CACHE_DTYPES[self.cfg.dtype]
         self.layers = [MergedKV(c.n_kv_heads, c.head_dim, self.capacity, dt, self.device) for _ in range(c.n_layers)]
         self.features = torch.zeros(self.feature_layers, c.n_heads, c.head_dim, device=self.device)
         self.feature_tokens = 0

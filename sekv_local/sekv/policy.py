@@ -20,6 +20,7 @@ import torch
 
 from ..cache.attention import attention_with_lse, gqa_attention_parts, merge_attention
 from ..cache.base import CachePolicy, register_policy, storage_bytes
+from ..dtypes import CACHE_DTYPES
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -32,7 +33,6 @@ from .question import (PinnedRows, block_attention_with_span_lse, pick_spans, qu
 from .router import Router, bound_scores, key_bounds
 from .segmentation import RunningStats, segment, token_surprisal
 
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 # (l_min, l_max) ladder the budget planner climbs when summaries would not fit
 _SPAN_LADDER = (1, 2, 4)  # multipliers of l_min (capped at l_max / 2)
 _ZOOM_LADDER = (1, 2, 4)  # divisors of zoom_k tried when the budget is tight (a smaller zoom pool)
@@ -99,7 +99,7 @@ class SekvCache(CachePolicy):
         use = router_module is not None and self.cfg.trained
         self.router = router_module if use else Router(config, self.cfg)
         self._settle_auto_options()
-        dt = _DTYPES[self.cfg.dtype]
+        dt = CACHE_DTYPES[self.cfg.dtype]
         KV, D = config.n_kv_heads, config.head_dim
         if self.cfg.host_quant != "none" and D % QK:
             raise SekvError(f"sekv: host_quant={self.cfg.host_quant} stores rows of head_dim values in blocks of {QK}; "
@@ -180,13 +180,13 @@ class SekvCache(CachePolicy):
     def token_bytes(self) -> int:
         """Device bytes of one exact token over all layers (K post-RoPE at its own position, V) plus its position."""
         c = self.config
-        return c.n_layers * 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
+        return c.n_layers * 2 * c.n_kv_heads * c.head_dim * CACHE_DTYPES[self.cfg.dtype].itemsize + 8
 
     @property
     def pin_row_bytes(self) -> int:
         """Device bytes of one pinned row of one layer: K and V for every KV head plus its position."""
         c = self.config
-        return 2 * c.n_kv_heads * c.head_dim * _DTYPES[self.cfg.dtype].itemsize + 8
+        return 2 * c.n_kv_heads * c.head_dim * CACHE_DTYPES[self.cfg.dtype].itemsize + 8
 
     @property
     def router_bytes(self) -> int:
@@ -201,7 +201,7 @@ class SekvCache(CachePolicy):
         """Device bytes of one span over all layers: summary K, V and routing key per KV head + metadata."""
         c = self.config
         width = 2 * c.head_dim + self.router.routing_dim + (2 * c.head_dim if self._bounds else 0)
-        return c.n_layers * c.n_kv_heads * width * _DTYPES[self.cfg.dtype].itemsize + 16
+        return c.n_layers * c.n_kv_heads * width * CACHE_DTYPES[self.cfg.dtype].itemsize + 16
 
     def reserve(self, n_tokens: int) -> None:
         """Plan the budget for a context of about n_tokens (document + room for the conversation)."""
@@ -244,7 +244,7 @@ class SekvCache(CachePolicy):
     def host_value_bytes(self) -> float:
         """Bytes one value of the host tier takes (block-quantized: its share of a block's scale too)."""
         if self.cfg.host_quant == "none":
-            return float(_DTYPES[self.cfg.dtype].itemsize)
+            return float(CACHE_DTYPES[self.cfg.dtype].itemsize)
         return BLOCK_BYTES[self.cfg.host_quant] / QK
 
     def _plan_pool(self) -> None:
@@ -309,7 +309,7 @@ class SekvCache(CachePolicy):
         """Type of the rebuilt (zoomed) rows. Raw spans (rank rule "exact") come back from the host exactly
         as stored, so they stay at the cache dtype: a float32 copy would hold the same values in twice the
         device bytes. Factored spans keep their U @ W products in float32."""
-        return _DTYPES[self.cfg.dtype] if self.rank_rule == "exact" else torch.float32
+        return CACHE_DTYPES[self.cfg.dtype] if self.rank_rule == "exact" else torch.float32
 
     def zoom_pool_bytes(self, spans: int | None = None) -> int:
         """One layer's rebuilt K and V rows (at `zoom_dtype`) for `spans` spans (the planned pool by default):
@@ -622,7 +622,7 @@ class SekvCache(CachePolicy):
         chosen = take[None, :].expand(KV, -1)
         zk, zv, zpos, zbias = self._rebuild(L, chosen, torch.ones_like(chosen, dtype=torch.bool))
         real = torch.isfinite(zbias[0])  # padding rows of short spans
-        dt = _DTYPES[self.cfg.dtype]
+        dt = CACHE_DTYPES[self.cfg.dtype]
         pos = zpos[0, real]
         mask = torch.zeros(self.span_len.length, dtype=torch.bool, device=self.device)
         mask[take] = True
