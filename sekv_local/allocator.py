@@ -41,10 +41,8 @@ def _libc() -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=1)
 def _mkl_free_buffers() -> Callable[[], None] | None:
-    """MKL's `mkl_free_buffers` as torch's CPU library exports it, once torch is imported (None otherwise)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
+    """MKL's `mkl_free_buffers` as torch's CPU library exports it (None where that build has no MKL)."""
+    torch = sys.modules["torch"]  # looked up once torch is imported: before, there is no pool to empty
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
         free = lib.mkl_serv_free_buffers

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import CACHE_DTYPES, dtype_error
+from ..dtypes import CACHE_DTYPES, check_cache_dtype
 from ..errors import SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -32,8 +32,7 @@ class FullConfig:
     max_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in CACHE_DTYPES:
-            raise SekvError(f"full: {dtype_error(self.dtype)}")
+        check_cache_dtype("full", self.dtype)
         if self.grow_tokens < 1:
             raise SekvError("full: grow_tokens must be >= 1")
         if self.max_tokens < 0:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import CACHE_DTYPES, dtype_error
+from ..dtypes import CACHE_DTYPES, check_cache_dtype
 from ..errors import SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -53,8 +53,7 @@ class H2OConfig:
             raise SekvError(f"h2o: recent_fraction must be in [0, 1), got {self.recent_fraction!r}")
         if not _is_number(self.chunk_fraction) or not 0 < self.chunk_fraction < 1:
             raise SekvError(f"h2o: chunk_fraction must be in (0, 1), got {self.chunk_fraction!r}")
-        if self.dtype not in CACHE_DTYPES:
-            raise SekvError(f"h2o: {dtype_error(self.dtype)}")
+        check_cache_dtype("h2o", self.dtype)
 
 
 class H2OCache(CachePolicy):

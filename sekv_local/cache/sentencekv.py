@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import CACHE_DTYPES, dtype_error
+from ..dtypes import CACHE_DTYPES, check_cache_dtype
 from ..errors import BudgetError, SekvError, config_check
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -105,7 +105,7 @@ class SentenceKVConfig:
         need(all(i >= 0 for i in self.sentence_end_ids), "sentence_end_ids must be >= 0")
         need(isinstance(self.chunk_fraction, (int, float)) and 0 < self.chunk_fraction < 1,
              "chunk_fraction must be in (0, 1)")
-        need(self.dtype in CACHE_DTYPES, dtype_error(self.dtype))
+        check_cache_dtype("sentencekv", self.dtype)
 
 
 def sentence_lengths(is_end: torch.Tensor, min_len: int, max_len: int) -> list[int]:

@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..dtypes import CACHE_DTYPES, dtype_error
+from ..dtypes import CACHE_DTYPES, check_cache_dtype
 from ..errors import BudgetError, SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -90,8 +90,7 @@ class SnapKVConfig:
             raise SekvError(f"{name}: question_aware must be true or false, got {self.question_aware!r}")
         if not is_number(self.chunk_fraction) or not 0 < self.chunk_fraction < 1:
             raise SekvError(f"{name}: chunk_fraction must be in (0, 1), got {self.chunk_fraction!r}")
-        if self.dtype not in CACHE_DTYPES:
-            raise SekvError(f"{name}: {dtype_error(self.dtype)}")
+        check_cache_dtype(name, self.dtype)
 
 
 class SnapKVCache(CachePolicy):

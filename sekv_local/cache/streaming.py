@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import CACHE_DTYPES, dtype_error
+from ..dtypes import CACHE_DTYPES, check_cache_dtype
 from ..errors import SekvError
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -36,8 +36,7 @@ class StreamingConfig:
             raise SekvError("streaming: n_sink must be >= 0")
         if not 0 < self.chunk_fraction < 1:
             raise SekvError("streaming: chunk_fraction must be in (0, 1)")
-        if self.dtype not in CACHE_DTYPES:
-            raise SekvError(f"streaming: {dtype_error(self.dtype)}")
+        check_cache_dtype("streaming", self.dtype)
 
 
 class StreamingCache(CachePolicy):

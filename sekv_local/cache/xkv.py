@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..dtypes import CACHE_DTYPES, dtype_error
+from ..dtypes import CACHE_DTYPES, check_cache_dtype
 from ..errors import BudgetError, SekvError, config_check, reject_unknown
 from ..models.config import ModelConfig
 from ..models.rope import Rope
@@ -80,7 +80,7 @@ class XkvConfig:
         need(self.select_tokens >= self.landmark_chunk, "select_tokens must be >= landmark_chunk")
         need(0 <= self.outlier_fraction < 1, "outlier_fraction must be in [0, 1)")
         need(self.reconstruct in ("selective", "dense"), "reconstruct must be 'selective' or 'dense'")
-        need(self.dtype in CACHE_DTYPES, dtype_error(self.dtype))
+        check_cache_dtype("xkv", self.dtype)
 
 
 def factor_rank(values: int, tokens: int, layers: int, group: int, kv_dim: int) -> int:

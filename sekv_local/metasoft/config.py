@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dtypes import CACHE_DTYPE_NAMES, dtype_error
+from ..dtypes import check_cache_dtype
 from ..errors import config_check
 
 POOLS = ("avg", "max")
@@ -57,7 +57,7 @@ class MetaSoftConfig:
         need(self.params is None or isinstance(self.params, str), "params must be a file path")
         need(_is_number(self.chunk_fraction) and 0 < self.chunk_fraction < 1,
              f"chunk_fraction must be in (0, 1), got {self.chunk_fraction!r}")
-        need(self.dtype in CACHE_DTYPE_NAMES, dtype_error(self.dtype))
+        check_cache_dtype("metasoft", self.dtype)
 
 
 def _is_int(x: object) -> bool:

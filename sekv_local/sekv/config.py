@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..dtypes import CACHE_DTYPE_NAMES, dtype_error
+from ..dtypes import check_cache_dtype
 from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
@@ -186,7 +186,7 @@ class SekvConfig:
         need(self.router in ROUTERS, f"router must be one of {ROUTERS}")
         need(self.pool in POOLS, f"pool must be one of {POOLS}")
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
-        need(self.dtype in CACHE_DTYPE_NAMES, dtype_error(self.dtype))
+        check_cache_dtype("sekv", self.dtype)
         need(self.host_quant in HOST_QUANTS, f"host_quant must be one of {HOST_QUANTS}")
         need(isinstance(self.trained, bool), "trained must be true or false")
         need(isinstance(self.fill, bool), "fill must be true or false")
