@@ -329,6 +329,45 @@ def test_bounded_positions_keep_every_distance_inside_the_trained_window() -> No
     assert max(query_positions) < 256 and sekv.span_len.length > 10
 
 
+@pytest.mark.parametrize("pin_place", ["near", "own"])
+def test_bounded_pins_sit_in_document_order_just_before_the_recent_rows(pin_place: str) -> None:
+    """Past the trained window a question's pins are attended side by side right before the pending rows
+    ("near"), or at their own positions, most of them older than the window ("own", the ablation)."""
+    import dataclasses
+
+    short = dataclasses.replace(CFG, context_length=256)
+    sekv = create_policy("sekv", short, Rope(short), budget=int(0.45 * short.full_kv_bytes(1100)), l_min=4, l_max=16,
+                         recent=32, positions="bounded", pin_place=pin_place)
+    sekv.reserve(1100)
+    run(sekv, 1000, 64)
+    sekv.finish_prefill()
+    gen = torch.Generator().manual_seed(9)
+    with torch.inference_mode():
+        sekv.begin_chunk(torch.arange(1000, 1016), True)
+        for layer in range(short.n_layers):
+            sekv.attend(layer, torch.randn(4, 16, 16, generator=gen), torch.randn(2, 16, 16, generator=gen),
+                        torch.randn(2, 16, 16, generator=gen))
+        sekv.end_chunk(torch.randn(16, 50, generator=gen) * 3, torch.randint(0, 50, (16,), generator=gen))
+        sekv.finish_prefill()  # the question is read: its pins are chosen
+    assert sekv._shift > 0
+    checked = 0
+    for pins in sekv._pins:
+        if pins is None:
+            continue
+        spans = pins.mask.nonzero().flatten()
+        starts, lengths = sekv.span_pos.view()[spans], sekv.span_len.view()[spans]
+        own = torch.cat([torch.arange(int(a), int(a + n)) for a, n in zip(starts, lengths)])
+        assert pins.pos.numel() == own.numel() and int(own.min()) < sekv._shift  # pins from before the window
+        if pin_place == "own":
+            assert torch.equal(torch.sort(pins.pos).values, own)
+        else:
+            start = int(sekv.pend_pos.view()[0])
+            assert torch.equal(torch.sort(pins.pos).values, torch.arange(start - own.numel(), start))
+            assert int(pins.pos.min()) - sekv._shift >= 0  # inside the window
+        checked += 1
+    assert checked == short.n_layers
+
+
 def test_bound_scores_never_fall_below_any_token_of_the_span() -> None:
     from sekv_local.sekv.router import bound_scores, key_bounds
 

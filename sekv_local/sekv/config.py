@@ -9,6 +9,7 @@ from ..dtypes import check_cache_dtype
 from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
+PIN_PLACES = ("near", "own")
 RANK_RULES = ("auto", "span", "row", "exact")
 #: what `rank_rule=auto` runs once a trained router is loaded: its file names one ("span" when it does not)
 AUTO_RANK_RULES = ("span", "row", "exact")
@@ -103,6 +104,10 @@ class SekvConfig:
         0 = drop unexpanded spans from attention, an ablation).
     positions: "original" keeps every token's own position; "bounded" places all memory (spans,
         anchors) at positions inside the trained window (InfLLM-style), for documents longer than it.
+    pin_place: with positions=bounded on a document longer than the trained window, where a question's pinned
+        spans are attended: "near", side by side in document order just before the recent window (each row at
+        its own position); "own", at their own positions, which puts every row older than the window at one
+        far position (an ablation: there the needle's span was pinned but not read back).
     dtype: storage type of exact K/V, summaries and host factors.
     host_quant: "none" keeps the host tier (span rows and factors) at `dtype`; "q8_0" or "q4_0" keeps it in
         llama.cpp's blocks of 32 values (34 or 18 bytes per 32 values instead of 64 at f16), dequantized as a
@@ -147,6 +152,7 @@ class SekvConfig:
     share_layers: int = 1
     summary_bias: float = 1.0
     positions: str = "original"
+    pin_place: str = "near"
     dtype: str = "f16"
     host_quant: str = "none"
     trained: bool = True
@@ -186,6 +192,7 @@ class SekvConfig:
         need(self.router in ROUTERS, f"router must be one of {ROUTERS}")
         need(self.pool in POOLS, f"pool must be one of {POOLS}")
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
+        need(self.pin_place in PIN_PLACES, f"pin_place must be one of {PIN_PLACES}")
         check_cache_dtype("sekv", self.dtype)
         need(self.host_quant in HOST_QUANTS, f"host_quant must be one of {HOST_QUANTS}")
         need(isinstance(self.trained, bool), "trained must be true or false")

@@ -623,10 +623,23 @@ class SekvCache(CachePolicy):
         zk, zv, zpos, zbias = self._rebuild(L, chosen, torch.ones_like(chosen, dtype=torch.bool))
         real = torch.isfinite(zbias[0])  # padding rows of short spans
         dt = CACHE_DTYPES[self.cfg.dtype]
-        pos = zpos[0, real]
+        pos = self._pin_positions(zpos[0, real])
         mask = torch.zeros(self.span_len.length, dtype=torch.bool, device=self.device)
         mask[take] = True
         self._pins[layer] = PinnedRows(self._rotate(zk[:, real], pos).to(dt), zv[:, real].to(dt), pos, mask)
+
+    def _pin_positions(self, own: torch.Tensor) -> torch.Tensor:
+        """Where pinned rows (own positions [R]) are attended: their own positions, or with positions=bounded on a
+        document longer than the trained window, side by side in document order just before the rows kept at
+        their own positions (the pending rows: the recent window and the question). Rows older than the window
+        would otherwise share one position: on a development document at 16K the
+        question's pass pinned the needle's span in every layer, and SmolLM2 still did not read its digits
+        back from one far position."""
+        if self.cfg.positions != "bounded" or self.cfg.pin_place == "own" or self._shift == 0 or own.numel() == 0:
+            return own
+        start = int(self.pend_pos.view()[0]) if self.pend_pos.length else int(own.max()) + 1
+        rank = torch.argsort(torch.argsort(own, stable=True), stable=True)
+        return start - own.numel() + rank
 
     # -- after each chunk: surprisal, then compress what left the recent window -------------------
     def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
