@@ -107,7 +107,7 @@ class SekvConfig:
     pin_place: with positions=bounded on a document longer than the trained window, where a question's pinned
         spans are attended: "near", side by side in document order just before the recent window (each row at
         its own position); "own", at their own positions, which puts every row older than the window at one
-        far position (an ablation: there the needle's span was pinned but not read back).
+        far position (the ablation; the two have not yet been told apart on a document).
     dtype: storage type of exact K/V, summaries and host factors.
     host_quant: "none" keeps the host tier (span rows and factors) at `dtype`; "q8_0" or "q4_0" keeps it in
         llama.cpp's blocks of 32 values (34 or 18 bytes per 32 values instead of 64 at f16), dequantized as a

@@ -632,9 +632,9 @@ class SekvCache(CachePolicy):
         """Where pinned rows (own positions [R]) are attended: their own positions, or with positions=bounded on a
         document longer than the trained window, side by side in document order just before the rows kept at
         their own positions (the pending rows: the recent window and the question). Rows older than the window
-        would otherwise share one position: on a development document at 16K the
-        question's pass pinned the needle's span in every layer, and SmolLM2 still did not read its digits
-        back from one far position."""
+        would otherwise share one position. Not yet shown to matter: on one development document at 16K the
+        question's pass pinned the needle's span in every layer and SmolLM2 gave the same wrong answer with
+        either placement."""
         if self.cfg.positions != "bounded" or self.cfg.pin_place == "own" or self._shift == 0 or own.numel() == 0:
             return own
         start = int(self.pend_pos.view()[0]) if self.pend_pos.length else int(own.max()) + 1
