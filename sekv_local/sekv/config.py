@@ -105,8 +105,8 @@ class SekvConfig:
     positions: "original" keeps every token's own position; "bounded" places all memory (spans,
         anchors) at positions inside the trained window (InfLLM-style), for documents longer than it.
     pin_place: with positions=bounded on a document longer than the trained window, where a question's pinned
-        spans are attended: "near", side by side in document order just before the recent window (each row at
-        its own position); "own", at their own positions, which puts every row older than the window at one
+        spans are attended: "near", side by side in document order just before the recent window (one distinct
+        position per row, inside the window); "own", at their own positions, which puts every row older than the window at one
         far position (the ablation; the two have not yet been told apart on a document).
     dtype: storage type of exact K/V, summaries and host factors.
     host_quant: "none" keeps the host tier (span rows and factors) at `dtype`; "q8_0" or "q4_0" keeps it in
