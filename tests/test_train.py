@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interruptible import interruptible_popen
 
 from sekv_local.sekv.router_file import load_router
 from sekv_local.train.trainer import TrainConfig, checkpoint_path, train_router
@@ -104,7 +105,7 @@ def test_killed_training_resumes_from_its_checkpoint(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ctrl_c_saves_the_checkpoint_and_says_how_to_resume(tmp_path: Path) -> None:
     out = tmp_path / "router.safetensors"
-    proc = subprocess.Popen(_train_cmd(out, 50), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = interruptible_popen(_train_cmd(out, 50), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(checkpoint_path(out), proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

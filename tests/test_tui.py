@@ -480,14 +480,24 @@ def svg_snapshot(snapshot):
     return snapshot.use_extension(Here)
 
 
-def screenshot(app, before: Callable[[Any], Any], size: tuple[int, int] = SIZE) -> str:
-    from textual._doc import take_svg_screenshot  # what pytest-textual-snapshot's snap_compare uses
+def screenshot(app, before: Callable[[Any], Any], size: tuple[int, int] = SIZE, timeout: float = 600) -> str:
+    """The SVG that pytest-textual-snapshot's snap_compare would take after `before(pilot)` ran, taken in
+    run_test like every other app test here; a run that does not finish in `timeout` seconds fails the test
+    instead of holding the whole suite."""
 
-    async def run_before(pilot) -> None:
-        await before(pilot)
-        app._q("#question").cursor_blink = False
+    async def run() -> str:
+        async with app.run_test(size=size) as pilot:
+            await before(pilot)
+            app._q("#question").cursor_blink = False
+            await pilot.pause()
+            await pilot.wait_for_scheduled_animations()
+            await pilot.pause()
+            return app.export_screenshot(title="sekv-local chat", simplify=True)
 
-    return take_svg_screenshot(app=app, terminal_size=size, run_before=run_before, title="sekv-local chat")
+    async def bounded() -> str:
+        return await asyncio.wait_for(run(), timeout)
+
+    return asyncio.run(bounded())
 
 
 def test_snapshot_chat_after_an_answer(story, tmp_path, model_path, tokenizer, svg_snapshot):
