@@ -522,3 +522,70 @@ def test_prefill_reads_caps_a_document_chunks_pool_at_the_read_budget(reads: str
     assert sekv._step_zoom_k == (12 if reads == "pool" else 3)
     with pytest.raises(Exception, match="prefill_reads must be one of"):
         create_policy("sekv", CFG, Rope(CFG), budget=0.3, prefill_reads="some")
+
+
+@pytest.mark.parametrize("reread", ["far", "off"])
+def test_reread_hands_the_question_back_and_reads_it_with_the_pins_in_place(reread: str) -> None:
+    """reread=far past the trained window: once the question's pins are chosen, its rows leave the memory
+    and its ids go back to the engine; the chunk read again attends as an answer step (the pins stay, it
+    is no new question) and leaves the memory as long as before. reread=off keeps the exact pass's rows."""
+    import dataclasses
+
+    short = dataclasses.replace(CFG, context_length=256)
+    sekv = create_policy("sekv", short, Rope(short), budget=int(0.45 * short.full_kv_bytes(1100)), l_min=4, l_max=16,
+                         recent=32, positions="bounded", reread=reread)
+    sekv.reserve(1100)
+    run(sekv, 1000, 64)
+    sekv.finish_prefill()
+    gen = torch.Generator().manual_seed(9)
+    question = torch.randint(0, 50, (16,), generator=gen)
+
+    def read(positions: torch.Tensor, ids: torch.Tensor) -> None:
+        sekv.begin_chunk(positions, True)
+        for layer in range(short.n_layers):
+            sekv.attend(layer, torch.randn(4, len(ids), 16, generator=gen), torch.randn(2, len(ids), 16, generator=gen),
+                        torch.randn(2, len(ids), 16, generator=gen))
+        sekv.end_chunk(torch.randn(len(ids), 50, generator=gen) * 3, ids)
+
+    with torch.inference_mode():
+        read(torch.arange(1000, 1016), question)
+        pending = sekv.pend_pos.length
+        sekv.finish_prefill()
+        assert sekv._shift > 0
+        again = sekv.tokens_to_read_again()
+        pins = [p for p in sekv._pins if p is not None]
+        assert len(pins) == short.n_layers
+        if reread == "off":
+            assert again == [] and sekv.n_tokens == 1016 and sekv.pend_pos.length == pending
+            return
+        assert again == question.tolist()
+        assert sekv.n_tokens == 1000 and sekv.pend_pos.length == pending - 16
+        assert sekv.tokens_to_read_again() == []  # handed back once
+        done = 0
+        while done < 16:  # in the pieces the room beside the pins holds, as the engine feeds them
+            assert not sekv.is_question_chunk(is_prefill=True)  # what is read again is not a new question
+            n = min(sekv.max_chunk_tokens(), 16 - done)
+            read(torch.arange(1000 + done, 1000 + done + n), torch.tensor(again[done: done + n]))
+            done += n
+    assert sekv.n_tokens == 1016 and sekv.pend_surprisal.length == sekv.pend_pos.length
+    after = [p for p in sekv._pins if p is not None]
+    assert len(after) == len(pins)  # the pins stay (a fold meanwhile may add the rows it took to them)
+    assert all(set(p.pos.tolist()) <= set(q.pos.tolist()) for p, q in zip(pins, after))
+    assert torch.equal(sekv.pend_pos.view()[-16:], torch.arange(1000, 1016))
+    assert sekv.is_question_chunk(is_prefill=True)  # the next prefill is the next question
+
+
+def test_reread_leaves_a_document_inside_the_trained_window_alone() -> None:
+    sekv = create_policy("sekv", CFG, Rope(CFG), budget=int(0.45 * CFG.full_kv_bytes(4096)), l_min=4, l_max=16,
+                         recent=32, positions="bounded", reread="far")
+    run(sekv, 600, 64)
+    sekv.finish_prefill()
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        sekv.begin_chunk(torch.arange(600, 608), True)
+        for layer in range(CFG.n_layers):
+            sekv.attend(layer, torch.randn(4, 8, 16, generator=gen), torch.randn(2, 8, 16, generator=gen),
+                        torch.randn(2, 8, 16, generator=gen))
+        sekv.end_chunk(torch.randn(8, 50, generator=gen) * 3, torch.randint(0, 50, (8,), generator=gen))
+        sekv.finish_prefill()
+    assert sekv._shift == 0 and sekv.tokens_to_read_again() == [] and sekv.n_tokens == 608

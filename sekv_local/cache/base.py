@@ -250,6 +250,12 @@ class CachePolicy(ABC):
     def finish_prefill(self) -> None:
         """The document (or a new user turn) has been fed; methods that compress after prefill do it here."""
 
+    def tokens_to_read_again(self) -> list[int]:
+        """After finish_prefill: the newest tokens the method has just dropped from its memory and wants the
+        engine to feed again (one prefill chunk, before the answer), e.g. a question whose rows were computed
+        under a placement the answer will not use. Empty for most methods."""
+        return []
+
     def reserve(self, n_tokens: int) -> None:
         """The context will hold about n_tokens (document + conversation); fractional budgets are
         fractions of the full-KV bytes of that many tokens."""

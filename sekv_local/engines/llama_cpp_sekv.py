@@ -294,6 +294,8 @@ class LlamaCppSekvEngine(Engine):
     def finish_prefill(self) -> None:
         self._fold_back()
         self.reference.finish_prefill()
+        # the torch memory may have read the question again (SeKV's reread): the answer starts from its logits
+        self._last_logits = self.reference._last_logits
 
     def reset(self) -> None:
         self.pending, self.pending_nll = [], []

@@ -172,6 +172,13 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def finish_prefill(self) -> None:
         self.cache.finish_prefill()
+        again = self.cache.tokens_to_read_again()
+        self.n_tokens -= len(again)  # the memory dropped them: read them once more, as it asked
+        while again:
+            n = self.chunk_size()
+            piece, again = again[:n], again[n:]
+            self._last_logits = self._forward(piece, prefill=True)
+            self.n_tokens += len(piece)
 
     def reserve(self, n_tokens: int) -> None:
         self.cache.reserve(n_tokens)

@@ -10,6 +10,8 @@ from ..errors import config_check, reject_unknown
 
 POSITION_STRATEGIES = ("original", "bounded")
 PIN_PLACES = ("near", "own")
+#: when a question is read a second time, with its answer's pins in place (see SekvConfig.reread)
+REREADS = ("off", "far")
 RANK_RULES = ("auto", "span", "row", "exact")
 #: what `rank_rule=auto` runs once a trained router is loaded: its file names one ("span" when it does not)
 AUTO_RANK_RULES = ("span", "row", "exact")
@@ -108,6 +110,11 @@ class SekvConfig:
         spans are attended: "near", side by side in document order just before the recent window (one distinct
         position per row, inside the window); "own", at their own positions, which puts every row older than the window at one
         far position (the ablation; the two have not yet been told apart on a document).
+    reread: "far": with positions=bounded on a document longer than the trained window, once a question's pass
+        has chosen the pins, the question is read again as an answer step would see it (pins near, routed
+        slots), so its rows and the first answer token come from that placement rather than from the exact
+        pass, which attended every span with every row older than the window at one far position; "off"
+        keeps the exact pass's rows (a question's rows, the only ones re-read, are few).
     dtype: storage type of exact K/V, summaries and host factors.
     host_quant: "none" keeps the host tier (span rows and factors) at `dtype`; "q8_0" or "q4_0" keeps it in
         llama.cpp's blocks of 32 values (34 or 18 bytes per 32 values instead of 64 at f16), dequantized as a
@@ -153,6 +160,7 @@ class SekvConfig:
     summary_bias: float = 1.0
     positions: str = "original"
     pin_place: str = "near"
+    reread: str = "off"
     dtype: str = "f16"
     host_quant: str = "none"
     trained: bool = True
@@ -193,6 +201,7 @@ class SekvConfig:
         need(self.pool in POOLS, f"pool must be one of {POOLS}")
         need(self.positions in POSITION_STRATEGIES, f"positions must be one of {POSITION_STRATEGIES}")
         need(self.pin_place in PIN_PLACES, f"pin_place must be one of {PIN_PLACES}")
+        need(self.reread in REREADS, f"reread must be one of {REREADS}")
         check_cache_dtype("sekv", self.dtype)
         need(self.host_quant in HOST_QUANTS, f"host_quant must be one of {HOST_QUANTS}")
         need(isinstance(self.trained, bool), "trained must be true or false")

@@ -139,6 +139,11 @@ class SekvCache(CachePolicy):
         self._pins: list[PinnedRows | None] = [None] * config.n_layers
         self._question_mass: list[torch.Tensor | None] = [None] * config.n_layers  # per layer [S]
         self._question_block = 1
+        # reread=far: the ids of the question read so far (None once a fold took some of its rows), and the ids
+        # handed back to the engine to read again (their surprisal stays the first reading's)
+        self._question_ids: list[int] | None = []
+        self._again: list[int] = []
+        self._reread_left = 0  # tokens of `_again` still to come back
         self.planned_tokens = config.context_length
         # the vocabulary rows surprisal normalises over (None: all): sorted ids, replaced (never changed in
         # place) as tokens arrive, so a checkpoint holds the set of its time by reference
@@ -319,7 +324,8 @@ class SekvCache(CachePolicy):
         return 2 * c.n_kv_heads * (self.zoom_k if spans is None else spans) * self.l_max * c.head_dim * item
 
     def max_chunk_tokens(self) -> int:
-        return self.chunk_tokens
+        # a question read again is read as a fed-back answer: in the pieces the room beside the pins holds
+        return self.replay_chunk_tokens() if self._reread_left else self.chunk_tokens
 
     def max_tokens(self) -> int | None:
         return None if self.cfg.positions == "bounded" else self.config.context_length
@@ -339,6 +345,7 @@ class SekvCache(CachePolicy):
             # answer's pins go first: the question chooses its own)
             self._pins = [None] * self.config.n_layers
             self._compress()
+            self._question_ids = None
         self._positions = positions
         self._is_prefill = is_prefill
         self.pend_pos.append(positions)
@@ -595,7 +602,31 @@ class SekvCache(CachePolicy):
                 own = pick_spans(scores[i], lengths, own_rows)
                 self._pin(layer, self.layers[layer], torch.cat([common, own[~torch.isin(own, common)]]))
         self._question_mass = [None] * self.config.n_layers
+        self._drop_question_for_reread()
         self._note_peak()
+
+    def _drop_question_for_reread(self) -> None:
+        """reread=far on a document longer than the trained window: the question's rows leave the pending rows,
+        and tokens_to_read_again hands its ids to the engine, which reads them once more with the pins in place
+        (as a fed-back answer is read, in the pieces `max_chunk_tokens` gives meanwhile). Only when every question
+        row is still pending."""
+        ids, self._question_ids = self._question_ids, []
+        if self.cfg.reread != "far" or self._shift == 0 or not ids or self.cfg.positions != "bounded":
+            return
+        n = len(ids)
+        left = self.pend_pos.length - n
+        if left < 0:
+            return
+        for buf in (self.pend_pos, *(b for L in self.layers for b in (L.pend_k, L.pend_v))):
+            buf.truncate(left)
+        self.n_tokens -= n
+        self._again = ids
+
+    def tokens_to_read_again(self) -> list[int]:
+        again, self._again = self._again, []
+        if again:  # the chunks that bring them back attend as an answer step does
+            self._replay, self._reread_left = True, len(again)
+        return again
 
     def _pinned_fold_fits(self, n_spans: int, n_anchors: int, n_rows: int) -> bool:
         """Whether a fold during an answer (n_spans new spans, n_anchors anchors, n_rows rows that would stay
@@ -644,10 +675,16 @@ class SekvCache(CachePolicy):
     # -- after each chunk: surprisal, then compress what left the recent window -------------------
     def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
         T = int(token_ids.shape[0])
-        surprisal = torch.zeros(T)
-        if logits is not None:
-            surprisal = token_surprisal(logits, token_ids)
-        self.pend_surprisal.append(surprisal.to(self.device))
+        if self._question and self._question_ids is not None:
+            self._question_ids.extend(int(t) for t in token_ids.tolist())
+        if self._reread_left:  # the rows were dropped, their surprisal was not
+            self._reread_left -= T
+            self._replay = self._reread_left > 0
+        else:
+            surprisal = torch.zeros(T)
+            if logits is not None:
+                surprisal = token_surprisal(logits, token_ids)
+            self.pend_surprisal.append(surprisal.to(self.device))
         self.n_tokens += T
         # every layer has appended this chunk; at most one layer's rebuilt rows exist at a time
         self._note_peak(extra=self._zoom_bytes)
@@ -825,6 +862,7 @@ class SekvCache(CachePolicy):
         self._score_vocab = mark["score_vocab"]
         self._pins = [None] * self.config.n_layers
         self._question_mass = [None] * self.config.n_layers
+        self._question_ids, self._again, self._reread_left = [], [], 0
         for buf in (self.exact_pos,):
             buf.truncate(mark["exact"])
         for buf in (self.span_pos, self.span_len, self.span_ids):
