@@ -329,25 +329,39 @@ def test_bounded_positions_keep_every_distance_inside_the_trained_window() -> No
     assert max(query_positions) < 256 and sekv.span_len.length > 10
 
 
+def read_random_chunk(sekv, positions: torch.Tensor, ids: torch.Tensor, gen: torch.Generator) -> None:
+    """One prefill chunk of random q/k/v (tokens `ids` at `positions`) through every layer of `sekv`."""
+    T, c = len(ids), sekv.config
+    sekv.begin_chunk(positions, True)
+    for layer in range(c.n_layers):
+        sekv.attend(layer, torch.randn(c.n_heads, T, c.head_dim, generator=gen),
+                    torch.randn(c.n_kv_heads, T, c.head_dim, generator=gen),
+                    torch.randn(c.n_kv_heads, T, c.head_dim, generator=gen))
+    sekv.end_chunk(torch.randn(T, c.vocab_size, generator=gen) * 3, ids)
+
+
+def bounded_sekv_after_a_document(context: int, n_doc: int, **options):
+    """SeKV with bounded positions on CFG cut to a trained window of `context`, after reading n_doc tokens."""
+    import dataclasses
+
+    config = dataclasses.replace(CFG, context_length=context)
+    sekv = create_policy("sekv", config, Rope(config), budget=int(0.45 * config.full_kv_bytes(max(context, 1100))),
+                         l_min=4, l_max=16, recent=32, positions="bounded", **options)
+    sekv.reserve(max(context, 1100))
+    run(sekv, n_doc, 64)
+    sekv.finish_prefill()
+    return sekv
+
+
 @pytest.mark.parametrize("pin_place", ["near", "own"])
 def test_bounded_pins_sit_in_document_order_just_before_the_recent_rows(pin_place: str) -> None:
     """Past the trained window a question's pins are attended side by side right before the pending rows
     ("near"), or at their own positions, most of them older than the window ("own", the ablation)."""
-    import dataclasses
-
-    short = dataclasses.replace(CFG, context_length=256)
-    sekv = create_policy("sekv", short, Rope(short), budget=int(0.45 * short.full_kv_bytes(1100)), l_min=4, l_max=16,
-                         recent=32, positions="bounded", pin_place=pin_place)
-    sekv.reserve(1100)
-    run(sekv, 1000, 64)
-    sekv.finish_prefill()
+    sekv = bounded_sekv_after_a_document(256, 1000, pin_place=pin_place)
+    short = sekv.config
     gen = torch.Generator().manual_seed(9)
     with torch.inference_mode():
-        sekv.begin_chunk(torch.arange(1000, 1016), True)
-        for layer in range(short.n_layers):
-            sekv.attend(layer, torch.randn(4, 16, 16, generator=gen), torch.randn(2, 16, 16, generator=gen),
-                        torch.randn(2, 16, 16, generator=gen))
-        sekv.end_chunk(torch.randn(16, 50, generator=gen) * 3, torch.randint(0, 50, (16,), generator=gen))
+        read_random_chunk(sekv, torch.arange(1000, 1016), torch.randint(0, 50, (16,), generator=gen), gen)
         sekv.finish_prefill()  # the question is read: its pins are chosen
     assert sekv._shift > 0
     checked = 0
@@ -529,23 +543,12 @@ def test_reread_hands_the_question_back_and_reads_it_with_the_pins_in_place(rere
     """reread=far past the trained window: once the question's pins are chosen, its rows leave the memory
     and its ids go back to the engine; the chunk read again attends as an answer step (the pins stay, it
     is no new question) and leaves the memory as long as before. reread=off keeps the exact pass's rows."""
-    import dataclasses
-
-    short = dataclasses.replace(CFG, context_length=256)
-    sekv = create_policy("sekv", short, Rope(short), budget=int(0.45 * short.full_kv_bytes(1100)), l_min=4, l_max=16,
-                         recent=32, positions="bounded", reread=reread)
-    sekv.reserve(1100)
-    run(sekv, 1000, 64)
-    sekv.finish_prefill()
+    sekv = bounded_sekv_after_a_document(256, 1000, reread=reread)
     gen = torch.Generator().manual_seed(9)
     question = torch.randint(0, 50, (16,), generator=gen)
 
     def read(positions: torch.Tensor, ids: torch.Tensor) -> None:
-        sekv.begin_chunk(positions, True)
-        for layer in range(short.n_layers):
-            sekv.attend(layer, torch.randn(4, len(ids), 16, generator=gen), torch.randn(2, len(ids), 16, generator=gen),
-                        torch.randn(2, len(ids), 16, generator=gen))
-        sekv.end_chunk(torch.randn(len(ids), 50, generator=gen) * 3, ids)
+        read_random_chunk(sekv, positions, ids, gen)
 
     with torch.inference_mode():
         read(torch.arange(1000, 1016), question)
@@ -554,7 +557,7 @@ def test_reread_hands_the_question_back_and_reads_it_with_the_pins_in_place(rere
         assert sekv._shift > 0
         again = sekv.tokens_to_read_again()
         pins = [p for p in sekv._pins if p is not None]
-        assert len(pins) == short.n_layers
+        assert len(pins) == sekv.config.n_layers
         if reread == "off":
             assert again == [] and sekv.n_tokens == 1016 and sekv.pend_pos.length == pending
             return
@@ -576,16 +579,9 @@ def test_reread_hands_the_question_back_and_reads_it_with_the_pins_in_place(rere
 
 
 def test_reread_leaves_a_document_inside_the_trained_window_alone() -> None:
-    sekv = create_policy("sekv", CFG, Rope(CFG), budget=int(0.45 * CFG.full_kv_bytes(4096)), l_min=4, l_max=16,
-                         recent=32, positions="bounded", reread="far")
-    run(sekv, 600, 64)
-    sekv.finish_prefill()
+    sekv = bounded_sekv_after_a_document(CFG.context_length, 600, reread="far")
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode():
-        sekv.begin_chunk(torch.arange(600, 608), True)
-        for layer in range(CFG.n_layers):
-            sekv.attend(layer, torch.randn(4, 8, 16, generator=gen), torch.randn(2, 8, 16, generator=gen),
-                        torch.randn(2, 8, 16, generator=gen))
-        sekv.end_chunk(torch.randn(8, 50, generator=gen) * 3, torch.randint(0, 50, (8,), generator=gen))
+        read_random_chunk(sekv, torch.arange(600, 608), torch.randint(0, 50, (8,), generator=gen), gen)
         sekv.finish_prefill()
     assert sekv._shift == 0 and sekv.tokens_to_read_again() == [] and sekv.n_tokens == 608
