@@ -40,8 +40,8 @@ def test_ctrl_c_during_ingestion_stops_cleanly(tmp_path: Path) -> None:
     book.write_text(natural_text(30_000))  # ~6K tokens: ingestion takes seconds
     memory = tmp_path / "book.sekv"
     proc = interruptible_popen(CLI + ["ask", str(book), "What is a frame?", "--threads", "1", "--chunk-size", "256",
-                                   "--memory", str(memory)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                      "--memory", str(memory)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _read_until(proc, proc.stderr, "reading book.txt")
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
@@ -57,8 +57,8 @@ def test_ctrl_c_during_an_answer_stops_it_and_the_chat_goes_on(tmp_path: Path) -
     book = tmp_path / "book.txt"
     book.write_text("The keeper of the lighthouse at Port Alder is Maren Holt. She lights the lamp at dusk.\n")
     proc = interruptible_popen(CLI + ["chat", str(book), "--no-tui", "--threads", "1", "--max-new-tokens", "300",
-                                   "--temperature", "1.0"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                      "--temperature", "1.0"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdin.write(b"Write a very long story about the lighthouse, chapter after chapter.\n")
     proc.stdin.flush()
     _read_until(proc, proc.stdout, "> Write a very long story")

@@ -546,12 +546,8 @@ def test_reread_hands_the_question_back_and_reads_it_with_the_pins_in_place(rere
     sekv = bounded_sekv_after_a_document(256, 1000, reread=reread)
     gen = torch.Generator().manual_seed(9)
     question = torch.randint(0, 50, (16,), generator=gen)
-
-    def read(positions: torch.Tensor, ids: torch.Tensor) -> None:
-        read_random_chunk(sekv, positions, ids, gen)
-
     with torch.inference_mode():
-        read(torch.arange(1000, 1016), question)
+        read_random_chunk(sekv, torch.arange(1000, 1016), question, gen)
         pending = sekv.pend_pos.length
         sekv.finish_prefill()
         assert sekv._shift > 0
@@ -568,7 +564,7 @@ def test_reread_hands_the_question_back_and_reads_it_with_the_pins_in_place(rere
         while done < 16:  # in the pieces the room beside the pins holds, as the engine feeds them
             assert not sekv.is_question_chunk(is_prefill=True)  # what is read again is not a new question
             n = min(sekv.max_chunk_tokens(), 16 - done)
-            read(torch.arange(1000 + done, 1000 + done + n), torch.tensor(again[done: done + n]))
+            read_random_chunk(sekv, torch.arange(1000 + done, 1000 + done + n), torch.tensor(again[done: done + n]), gen)
             done += n
     assert sekv.n_tokens == 1016 and sekv.pend_surprisal.length == sekv.pend_pos.length
     after = [p for p in sekv._pins if p is not None]

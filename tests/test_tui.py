@@ -494,10 +494,7 @@ def screenshot(app, before: Callable[[Any], Any], size: tuple[int, int] = SIZE, 
             await pilot.pause()
             return app.export_screenshot(title="sekv-local chat", simplify=True)
 
-    async def bounded() -> str:
-        return await asyncio.wait_for(run(), timeout)
-
-    return asyncio.run(bounded())
+    return asyncio.run(asyncio.wait_for(run(), timeout))
 
 
 def test_snapshot_chat_after_an_answer(story, tmp_path, model_path, tokenizer, svg_snapshot):

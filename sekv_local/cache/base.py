@@ -252,7 +252,7 @@ class CachePolicy(ABC):
 
     def tokens_to_read_again(self) -> list[int]:
         """After finish_prefill: the newest tokens the method has just dropped from its memory and wants the
-        engine to feed again (one prefill chunk, before the answer), e.g. a question whose rows were computed
+        engine to feed again before the answer (prefill chunks of max_chunk_tokens), e.g. a question whose rows were computed
         under a placement the answer will not use. Empty for most methods."""
         return []
 

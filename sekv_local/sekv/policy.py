@@ -611,12 +611,10 @@ class SekvCache(CachePolicy):
         (as a fed-back answer is read, in the pieces `max_chunk_tokens` gives meanwhile). Only when every question
         row is still pending."""
         ids, self._question_ids = self._question_ids, []
-        if self.cfg.reread != "far" or self._shift == 0 or not ids or self.cfg.positions != "bounded":
+        if self._shift == 0 or not ids:  # inside the trained window the exact pass's rows are the right ones
             return
         n = len(ids)
         left = self.pend_pos.length - n
-        if left < 0:
-            return
         for buf in (self.pend_pos, *(b for L in self.layers for b in (L.pend_k, L.pend_v))):
             buf.truncate(left)
         self.n_tokens -= n
@@ -675,8 +673,8 @@ class SekvCache(CachePolicy):
     # -- after each chunk: surprisal, then compress what left the recent window -------------------
     def end_chunk(self, logits: torch.Tensor | None, token_ids: torch.Tensor) -> None:
         T = int(token_ids.shape[0])
-        if self._question and self._question_ids is not None:
-            self._question_ids.extend(int(t) for t in token_ids.tolist())
+        if self._question and self._question_ids is not None and self.cfg.reread == "far":
+            self._question_ids.extend(token_ids.tolist())
         if self._reread_left:  # the rows were dropped, their surprisal was not
             self._reread_left -= T
             self._replay = self._reread_left > 0
